@@ -1,0 +1,432 @@
+"""Closed-form training costs derived by walking the symbolic graphs.
+
+What lives here: pure functions from :class:`stage_dse.graph.ModelGraphs` to named sympy
+expressions (a breakdown plus its total) for parameters, flops, per-GPU memory and communication.
+What does not: time (``cost.time``), numbers (``cost.compile`` binds and evaluates), any I/O.
+
+Conventions:
+
+* Everything is per optimizer step of ``global_batch`` sequences, per GPU of the heaviest
+  pipeline stage, unless a name says ``global`` (summed over all GPUs).
+* A stage holds ``ceiling(layers / pp)`` layers (uneven splits are bounded by the fuller stage);
+  the first stage also holds the embeddings, the last the final norm, output layer and loss.
+* Activations kept for backward are the tensors the forward ops save (:attr:`Op.saved`),
+  de-duplicated, with all-gathered tensors replaced by their sources (they are gathered again in
+  backward). Under selective recompute the attention-core tensors are dropped and the core is
+  rerun; under full recompute each layer keeps only its input and reruns its forward (Korthikanti
+  et al., MLSys 2023, sec. 4-5). Embedding and head are never recomputed.
+* In-flight micro-batches: the first stage of 1F1B holds ``min(pp, m)`` of them; interleaving
+  with ``v`` chunks multiplies that by ``1 + (pp - 1) / (pp * v)`` (Korthikanti et al. sec. 4.2.3,
+  from Narayanan et al. SC21).
+* Model states follow Rajbhandari et al. (ZeRO, SC20, sec. 5): 16-bit weights and gradients,
+  ``master + optimizer states`` bytes per parameter, sharded over the dp x cp group by stage.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import sympy as sp
+
+from stage_dse.graph.core import (
+    CollKind,
+    Frequency,
+    Graph,
+    Op,
+    OpKind,
+    Phase,
+    Region,
+    Role,
+    Scope,
+    Tensor,
+)
+from stage_dse.graph.symbols import DEGREE, S
+from stage_dse.graph.transformer import GraphKey, ModelGraphs, build_graphs, graph_key
+from stage_dse.spec import (
+    MeshAxis,
+    ModelSpec,
+    ParallelPlan,
+    PipelineSchedule,
+    Recompute,
+    TrainingSpec,
+)
+
+__all__ = [
+    "CostKey",
+    "SectionCosts",
+    "TrainingCosts",
+    "derive",
+    "group_label",
+    "kept_activations",
+    "training_costs",
+]
+
+MESH_ORDER = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+
+
+def group_label(group: Iterable[MeshAxis]) -> str:
+    """Canonical name of a communicator group kind, e.g. ``tp`` or ``cp-dp``."""
+    members = set(group)
+    return "-".join(m.value for m in MESH_ORDER if m in members)
+
+
+def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
+    return sp.Add(*items) if items else sp.Integer(0)
+
+
+def group_degree(group: Iterable[MeshAxis]) -> sp.Expr:
+    return sp.Mul(*[DEGREE[m] for m in group])
+
+
+def _active(group: Iterable[MeshAxis]) -> sp.Expr:
+    """1 when the group has more than one member, else 0: a one-rank collective moves nothing."""
+    return sp.Min(1, group_degree(group) - 1)
+
+
+def _is_one(x: sp.Expr) -> sp.Expr:
+    """1 where the positive integer ``x`` is 1, else 0 (arithmetic, so it vectorizes)."""
+    return sp.Max(0, 2 - x)
+
+
+# --------------------------------------------------------------------------- per section
+def kept_activations(graph: Graph, recompute: Recompute) -> list[Tensor]:
+    """Activation tensors kept from forward to backward in one section, de-duplicated."""
+    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    if recompute is Recompute.FULL and graph.block_input is not None and _is_block(graph):
+        return [graph.block_input]
+    saved_by_region: dict[Tensor, None] = {}
+    saved_elsewhere: set[Tensor] = set()
+    for op in forward:
+        for t in op.saved:
+            src = graph.gathered_source(t)
+            if src.role is not Role.ACTIVATION:
+                continue
+            if op.region is Region.ATTENTION_CORE:
+                saved_by_region.setdefault(src, None)
+            else:
+                saved_elsewhere.add(src)
+    kept: dict[Tensor, None] = dict.fromkeys(saved_by_region)
+    kept.update(dict.fromkeys(t for t in _ordered_saved(graph) if t in saved_elsewhere))
+    if recompute is Recompute.SELECTIVE and _is_block(graph):
+        dropped = set(_region_dropped(graph, saved_by_region, saved_elsewhere))
+        return [t for t in kept if t not in dropped]
+    return list(kept)
+
+
+def _ordered_saved(graph: Graph) -> list[Tensor]:
+    out: dict[Tensor, None] = {}
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD:
+            for t in op.saved:
+                out.setdefault(graph.gathered_source(t), None)
+    return list(out)
+
+
+def _is_block(graph: Graph) -> bool:
+    return any(op.scope is Scope.BLOCK for op in graph.ops)
+
+
+def _region_dropped(
+    graph: Graph, saved_by_region: dict[Tensor, None], saved_elsewhere: set[Tensor]
+) -> list[Tensor]:
+    """Tensors that exist only inside the attention core: made there, used only there."""
+    out = []
+    for t in saved_by_region:
+        if t in saved_elsewhere:
+            continue
+        prod = graph.producer.get(t)
+        if prod is not None and prod.region is not Region.ATTENTION_CORE:
+            continue
+        out.append(t)
+    return out
+
+
+def _recomputed_ops(graph: Graph, recompute: Recompute) -> list[Op]:
+    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    if not _is_block(graph) or recompute is Recompute.NONE:
+        return []
+    if recompute is Recompute.FULL:
+        return forward
+    kept = set(kept_activations(graph, Recompute.NONE))
+    dropped = kept - set(kept_activations(graph, Recompute.SELECTIVE))
+    # rerun every core op on the path to a dropped tensor (scores feed the softmax, ...)
+    needed = set(dropped)
+    rerun = []
+    for op in reversed(forward):
+        if op.region is not Region.ATTENTION_CORE:
+            continue
+        made = set(op.outputs) | {t for t in op.saved if graph.producer.get(t) is None}
+        if made & needed:
+            rerun.append(op)
+            needed.update(op.inputs)
+    return rerun[::-1]
+
+
+@dataclass(frozen=True)
+class SectionCosts:
+    """Costs of one section (embed, one block, or head) per micro-batch, per GPU unless global."""
+
+    params: sp.Expr
+    """Parameters (global count)."""
+    weights_numel: sp.Expr
+    """Parameter elements stored per GPU (after ZeRO-3 sharding)."""
+    model_parallel_numel: sp.Expr
+    """Parameter elements per GPU before any data-parallel (ZeRO) sharding."""
+    kept_bytes: dict[Recompute, sp.Expr]
+    recompute_working_bytes: dict[Recompute, sp.Expr]
+    matmul_fwd_global_flops: sp.Expr
+    matmul_global_flops: dict[Recompute, sp.Expr]
+    """Matmul (einsum and attention) ops of forward, backward and recompute over the mesh."""
+    hardware_global_flops: dict[Recompute, sp.Expr]
+    """All ops of forward and backward (and recompute) over the mesh, per micro-batch."""
+    compute_flops: dict[Recompute, sp.Expr]
+    """All ops of forward and backward (and recompute) per GPU, per micro-batch."""
+    optimizer_flops: sp.Expr
+    comm_per_microbatch: dict[tuple[CollKind, frozenset[MeshAxis]], dict[Recompute, sp.Expr]]
+    comm_per_step: dict[tuple[CollKind, frozenset[MeshAxis]], sp.Expr]
+
+
+def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts:
+    stored = list(graph.weights)
+    compute_of = {v: k for k, v in graph.weight_storage.items()}
+    unique = [w for w in stored if w is not tied_copy]
+    params = _sum([w.numel for w in unique])
+    weights_numel = _sum([w.local_numel for w in stored])
+    mp_numel = _sum([compute_of.get(w, w).local_numel for w in stored])
+
+    kept: dict[Recompute, sp.Expr] = {}
+    working: dict[Recompute, sp.Expr] = {}
+    none_bytes = _sum([t.local_bytes for t in kept_activations(graph, Recompute.NONE)])
+    for mode in Recompute:
+        kept[mode] = _sum([t.local_bytes for t in kept_activations(graph, mode)])
+        # while a layer is rerun, its dropped tensors exist again until its backward finishes
+        working[mode] = none_bytes - kept[mode] if _is_block(graph) else sp.Integer(0)
+
+    fwd = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    bwd = [op for op in graph.ops if op.phase is Phase.BACKWARD]
+    matmul_fwd = _sum([op.global_flops for op in fwd if op.matmul])
+    base_global = _sum([op.global_flops for op in fwd + bwd])
+    base_local = _sum([op.flops for op in fwd + bwd])
+    base_mm = _sum([op.global_flops for op in fwd + bwd if op.matmul])
+    hw: dict[Recompute, sp.Expr] = {}
+    mm: dict[Recompute, sp.Expr] = {}
+    local: dict[Recompute, sp.Expr] = {}
+    for mode in Recompute:
+        rerun = _recomputed_ops(graph, mode)
+        mm[mode] = base_mm + _sum([op.global_flops for op in rerun if op.matmul])
+        hw[mode] = base_global + _sum([op.global_flops for op in rerun])
+        local[mode] = base_local + _sum([op.flops for op in rerun])
+    opt_flops = _sum([op.flops for op in graph.ops if op.kind is OpKind.OPTIMIZER])
+
+    per_mb: dict[tuple[CollKind, frozenset[MeshAxis]], dict[Recompute, sp.Expr]] = {}
+    per_step: dict[tuple[CollKind, frozenset[MeshAxis]], sp.Expr] = defaultdict(
+        lambda: sp.Integer(0)
+    )
+    for mode in Recompute:
+        rerun_comm = [op for op in _recomputed_ops(graph, mode) if op.is_comm]
+        for op in [o for o in graph.ops if o.is_comm] + rerun_comm:
+            key = (op.coll, op.group)
+            size = _active(op.group) * op.comm_bytes
+            if op.frequency is Frequency.PER_STEP:
+                if mode is Recompute.NONE:
+                    per_step[key] += size
+                continue
+            per_mb.setdefault(key, {m: sp.Integer(0) for m in Recompute})
+            per_mb[key][mode] += size
+    return SectionCosts(
+        params=params,
+        weights_numel=weights_numel,
+        model_parallel_numel=mp_numel,
+        kept_bytes=kept,
+        recompute_working_bytes=working,
+        matmul_fwd_global_flops=matmul_fwd,
+        matmul_global_flops=mm,
+        hardware_global_flops=hw,
+        compute_flops=local,
+        optimizer_flops=opt_flops,
+        comm_per_microbatch=per_mb,
+        comm_per_step=dict(per_step),
+    )
+
+
+# --------------------------------------------------------------------------- whole model
+@dataclass(frozen=True)
+class CostKey:
+    graph: GraphKey
+    recompute: Recompute
+    schedule: PipelineSchedule
+
+
+def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
+    return CostKey(graph_key(model, plan, training), plan.recompute, plan.schedule)
+
+
+@dataclass(frozen=True)
+class TrainingCosts:
+    """Named expressions of one training step; every dict has a ``total`` where it sums."""
+
+    params: dict[str, sp.Expr]
+    memory_bytes: dict[str, sp.Expr]
+    """Per GPU of the heaviest stage: weights, grads, optimizer, activations, working, total."""
+    flops: dict[str, sp.Expr]
+    comm_bytes: dict[str, sp.Expr]
+    """Per GPU per step, by ``<kind>_<group>``: the buffer sizes handed to the collectives."""
+    stage: dict[str, sp.Expr] = field(default_factory=dict)
+    """Per-GPU quantities of one stage the time model needs (flops per micro-batch, ...)."""
+
+    def all(self) -> dict[str, sp.Expr]:
+        out: dict[str, sp.Expr] = {}
+        for prefix, d in (
+            ("params", self.params),
+            ("mem", self.memory_bytes),
+            ("flops", self.flops),
+            ("comm", self.comm_bytes),
+            ("stage", self.stage),
+        ):
+            for k, v in d.items():
+                out[f"{prefix}_{k}"] = v
+        return out
+
+
+def derive(key: CostKey) -> TrainingCosts:
+    """All cost expressions of a model family under one plan structure (cached)."""
+    return _derive(key)
+
+
+@lru_cache(maxsize=512)
+def _derive(key: CostKey) -> TrainingCosts:
+    from stage_dse.graph.transformer import _build
+
+    graphs: ModelGraphs = _build(key.graph)
+    mode = key.recompute
+    emb = section_costs(graphs.embed)
+    blk = section_costs(graphs.block)
+    head = section_costs(graphs.head, tied_copy=graphs.tied_head_weight)
+
+    L, pp, v = S.layers, S.pp, S.virtual_stages
+    m = S.global_batch / (S.dp * S.micro_batch)
+    per_stage = sp.ceiling(L / pp)
+    single = _is_one(pp)
+    multi = 1 - single
+    data = S.dp * S.cp
+    zero = key.graph.zero_stage
+
+    params_total = emb.params + L * blk.params + head.params
+    params = {
+        "embedding": emb.params,
+        "layers": L * blk.params,
+        "head": head.params,
+        "total": params_total,
+    }
+
+    # head weights held on the first stage only when pp == 1 (a tied head adds no parameter)
+    head_unique_numel = head.weights_numel
+    head_unique_mp = head.model_parallel_numel
+    if graphs.tied_head_weight is not None:
+        tied = graphs.tied_head_weight
+        compute_of = {vv: kk for kk, vv in graphs.head.weight_storage.items()}
+        head_unique_numel -= tied.local_numel
+        head_unique_mp -= compute_of.get(tied, tied).local_numel
+
+    def states(numel: sp.Expr, mp_numel: sp.Expr) -> dict[str, sp.Expr]:
+        pb, gb, ob = (
+            key.graph.param_bytes,
+            key.graph.grad_bytes,
+            key.graph.optimizer_bytes_per_param,
+        )
+        return {
+            "weights": numel * pb,
+            "grads": mp_numel * gb / (data if zero >= 2 else 1),
+            "optimizer": mp_numel * ob / (data if zero >= 1 else 1),
+        }
+
+    first_states = states(
+        per_stage * blk.weights_numel + emb.weights_numel + single * head_unique_numel,
+        per_stage * blk.model_parallel_numel + emb.model_parallel_numel + single * head_unique_mp,
+    )
+    last_states = states(
+        per_stage * blk.weights_numel + head.weights_numel,
+        per_stage * blk.model_parallel_numel + head.model_parallel_numel,
+    )
+    inflight = sp.Min(pp, m)
+    if key.schedule is PipelineSchedule.INTERLEAVED:
+        inflight = inflight * (1 + (pp - 1) / (pp * v))
+    working = blk.recompute_working_bytes[mode]
+    first_act = (
+        inflight * (per_stage * blk.kept_bytes[mode] + emb.kept_bytes[mode])
+        + single * head.kept_bytes[mode]
+    )
+    last_act = per_stage * blk.kept_bytes[mode] + head.kept_bytes[mode]
+    first = {**first_states, "activations": first_act, "recompute_working": working}
+    last = {**last_states, "activations": last_act, "recompute_working": working}
+    first_total = _sum(first.values())
+    last_total = multi * _sum(last.values())
+    first_is_worst = sp.Ge(first_total, last_total)
+    memory = {k: sp.Piecewise((first[k], first_is_worst), (last[k], True)) for k in first}
+    memory["total"] = sp.Max(first_total, last_total)
+    memory["first_stage_total"] = first_total
+    memory["last_stage_total"] = _sum(last.values())
+
+    # flops per step over all GPUs (matmuls: forward x 3 is the "model flops" of MFU)
+    model_flops = (
+        3
+        * m
+        * (
+            emb.matmul_fwd_global_flops
+            + L * blk.matmul_fwd_global_flops
+            + head.matmul_fwd_global_flops
+        )
+    )
+    hw_flops = m * (
+        emb.hardware_global_flops[mode]
+        + L * blk.hardware_global_flops[mode]
+        + head.hardware_global_flops[mode]
+    )
+    rerun_blk = blk.hardware_global_flops[mode] - blk.hardware_global_flops[Recompute.NONE]
+    mm_flops = m * (
+        emb.matmul_global_flops[mode]
+        + L * blk.matmul_global_flops[mode]
+        + head.matmul_global_flops[mode]
+    )
+    flops = {
+        "model": model_flops,
+        "matmul": mm_flops,
+        "recompute": m * L * rerun_blk,
+        "hardware": hw_flops,
+        "total": hw_flops,
+    }
+
+    # per-GPU per-micro-batch work of the stages (time model input)
+    stage = {
+        "first_flops": per_stage * blk.compute_flops[mode]
+        + emb.compute_flops[mode]
+        + single * head.compute_flops[mode],
+        "last_flops": per_stage * blk.compute_flops[mode] + head.compute_flops[mode],
+        "layers": per_stage,
+        "microbatches": m,
+        "boundary_bytes": graphs.boundary.local_bytes,
+    }
+
+    # communication per GPU per step on the heaviest stage (sum of first and last stage
+    # sections when pp == 1; a middle stage's block comm otherwise)
+    comm: dict[str, sp.Expr] = defaultdict(lambda: sp.Integer(0))
+    for sec, mult in ((blk, per_stage), (emb, 1), (head, single)):
+        for (kind, group), by_mode in sec.comm_per_microbatch.items():
+            comm[f"{kind.value}_{group_label(group)}"] += mult * m * by_mode[mode]
+        for (kind, group), size in sec.comm_per_step.items():
+            comm[f"{kind.value}_{group_label(group)}"] += mult * size
+    # pipeline: each micro-batch sends its activation forward and its gradient backward
+    comm[f"{CollKind.SEND_RECV.value}_pp"] += multi * 2 * m * graphs.boundary.local_bytes
+    comm_bytes = dict(comm)
+    comm_bytes["total"] = _sum(list(comm.values()))
+    return TrainingCosts(
+        params=params, memory_bytes=memory, flops=flops, comm_bytes=comm_bytes, stage=stage
+    )
+
+
+def training_costs(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> TrainingCosts:
+    build_graphs(model, plan, training)
+    return derive(cost_key(model, plan, training))

@@ -1,0 +1,294 @@
+"""Builders of dense transformer training graphs: embedding, one block, and the output head.
+
+What lives here: the Megatron-LM layouts of each tensor (column/row-parallel linears, head-split
+attention, vocab-parallel embedding and loss, sequence-parallel norm regions, context-parallel
+sequence split, ZeRO-3 parameter sharding). Collectives are not written here: they follow from
+these layouts through :class:`stage_dse.graph.core.Graph`.
+
+A model is three graphs, each built once with symbolic sizes: ``embed`` (first pipeline stage),
+``block`` (one layer, repeated ``layers / pp`` times per stage) and ``head`` (last stage: final
+norm, output projection, cross-entropy). Their structure depends only on the structural choices
+in :class:`GraphKey`; every size is a symbol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from stage_dse.graph.core import (
+    ADD,
+    DROPOUT,
+    GELU,
+    LAYERNORM,
+    RMSNORM,
+    ROPE,
+    SOFTMAX,
+    SWIGLU,
+    Axis,
+    Graph,
+    Region,
+    Role,
+    Scope,
+    Tensor,
+)
+from stage_dse.graph.symbols import S
+from stage_dse.spec import (
+    AttentionKernel,
+    MeshAxis,
+    MlpKind,
+    ModelSpec,
+    NormKind,
+    ParallelPlan,
+    PositionKind,
+    TrainingSpec,
+)
+
+__all__ = ["DIMS", "GraphKey", "ModelGraphs", "build_graphs", "graph_key"]
+
+DP, TP, CP = MeshAxis.DP, MeshAxis.TP, MeshAxis.CP
+DATA_AXES = (DP, CP)
+"""Axes over which gradients are reduced and ZeRO shards states (Megatron: the dp x cp group)."""
+
+
+class DIMS:
+    """Tensor axes with their global extents."""
+
+    batch = Axis("b", S.micro_batch * S.dp)
+    seq = Axis("s", S.seq)
+    kseq = Axis("t", S.seq)
+    hidden = Axis("h", S.hidden)
+    ffn = Axis("f", S.ffn)
+    groups = Axis("g", S.kv_heads)
+    rep = Axis("r", S.heads / S.kv_heads)
+    head_dim = Axis("d", S.head_dim)
+    vocab = Axis("v", S.vocab)
+    positions = Axis("p", S.positions)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Everything that changes the structure of the graphs (sizes are symbols)."""
+
+    norm: NormKind
+    mlp: MlpKind
+    position: PositionKind
+    tied_embeddings: bool
+    bias: bool
+    dropout: bool
+    sequence_parallel: bool
+    attention: AttentionKernel
+    zero_stage: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes_per_param: int
+
+
+def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
+    return GraphKey(
+        norm=model.norm,
+        mlp=model.mlp,
+        position=model.position,
+        tied_embeddings=model.tied_embeddings,
+        bias=model.bias,
+        dropout=model.dropout,
+        sequence_parallel=plan.sequence_parallel,
+        attention=plan.attention,
+        zero_stage=plan.zero_stage,
+        param_bytes=training.params_dtype.bytes,
+        grad_bytes=training.grads_dtype.bytes,
+        optimizer_bytes_per_param=training.optimizer_bytes_per_param,
+    )
+
+
+@dataclass(frozen=True)
+class ModelGraphs:
+    key: GraphKey
+    embed: Graph
+    block: Graph
+    head: Graph
+    boundary: Tensor
+    """Activation passed between pipeline stages (per micro-batch), in its layout."""
+    tied_head_weight: Tensor | None
+    """The head's copy of the word embeddings when they are tied (not a separate parameter)."""
+
+    @property
+    def sections(self) -> tuple[Graph, Graph, Graph]:
+        return self.embed, self.block, self.head
+
+
+class _Builder:
+    def __init__(self, key: GraphKey) -> None:
+        self.k = key
+        self.g = Graph()
+        self.pb = key.param_bytes
+
+    # layouts of [b, s, h] activations
+    @property
+    def act(self) -> tuple[tuple[MeshAxis, ...], ...]:
+        seq = (CP, TP) if self.k.sequence_parallel else (CP,)
+        return ((DP,), seq, ())
+
+    full = ((DP,), (CP,), ())
+
+    def w(self, name: str, axes, layout) -> Tensor:
+        return self.g.weight(
+            name,
+            axes,
+            layout,
+            self.pb,
+            shard_states_over=DATA_AXES,
+            fsdp=self.k.zero_stage == 3,
+        )
+
+    def norm(self, name: str, x: Tensor) -> Tensor:
+        H = DIMS.hidden
+        gamma = self.w(f"{name}.weight", [H], [()])
+        if self.k.norm is NormKind.LAYERNORM:
+            beta = self.w(f"{name}.bias", [H], [()])
+            return self.g.norm(LAYERNORM, name, x, gamma, beta)
+        return self.g.norm(RMSNORM, name, x, gamma)
+
+    def maybe_bias(self, name: str, x: Tensor, axes, layout) -> Tensor:
+        if not self.k.bias:
+            return x
+        return self.g.bias(f"{name}+bias", x, self.w(f"{name}.bias", axes, layout))
+
+    def dropout(self, name: str, x: Tensor) -> Tensor:
+        return self.g.pointwise(DROPOUT, name, x) if self.k.dropout else x
+
+    def activation(self, name: str, axes, layout) -> Tensor:
+        return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.pb)
+
+    # ---------------------------------------------------------------- sections
+    def block(self) -> Graph:
+        g = self.g
+        Bt, Sq, Tk, H, F = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden, DIMS.ffn
+        G, R, D = DIMS.groups, DIMS.rep, DIMS.head_dim
+        with g.scope(Scope.BLOCK):
+            x = self.activation("layer_input", [Bt, Sq, H], self.act)
+            g.block_input = x
+            ln1 = self.norm("input_norm", x)
+            ln1g = g.redistribute(ln1, self.full)
+            q = g.einsum(
+                "q_proj",
+                ln1g,
+                self.w("q_proj.weight", [H, G, R, D], [(), (TP,), (), ()]),
+                [Bt, Sq, G, R, D],
+            )
+            # keys/values are indexed by the key-side sequence axis t (same extent as s)
+            wk = self.w("k_proj.weight", [H, G, D], [(), (TP,), ()])
+            wv = self.w("v_proj.weight", [H, G, D], [(), (TP,), ()])
+            ln1t = g.view(ln1g, [Bt, Tk, H])
+            k = g.einsum("k_proj", ln1t, wk, [Bt, Tk, G, D])
+            v = g.einsum("v_proj", ln1t, wv, [Bt, Tk, G, D])
+            q = self.maybe_bias("q_proj", q, [G, R, D], [(TP,), (), ()])
+            k = self.maybe_bias("k_proj", k, [G, D], [(TP,), ()])
+            v = self.maybe_bias("v_proj", v, [G, D], [(TP,), ()])
+            if self.k.position is PositionKind.ROPE:
+                q = g.pointwise(ROPE, "q_rope", q)
+                k = g.pointwise(ROPE, "k_rope", k)
+            with g.region(Region.ATTENTION_CORE):
+                if self.k.attention is AttentionKernel.FLASH:
+                    ctx = g.attention(
+                        "core_attention", q, k, v, Sq, Tk, [Bt, Sq, G, R, D], [Bt, G, R, Sq]
+                    )
+                else:
+                    scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
+                    probs = g.pointwise(SOFTMAX, "softmax", scores)
+                    probs = self.dropout("attention_dropout", probs)
+                    ctx = g.einsum("context", probs, v, [Bt, Sq, G, R, D])
+            wo = self.w("o_proj.weight", [G, R, D, H], [(TP,), (), (), ()])
+            out = g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+            out = g.redistribute(out, self.act)
+            out = self.maybe_bias("o_proj", out, [H], [()])
+            out = self.dropout("o_dropout", out)
+            x2 = g.pointwise(ADD, "attention_residual", x, out)
+            ln2 = self.norm("post_attention_norm", x2)
+            ln2g = g.redistribute(ln2, self.full)
+            if self.k.mlp is MlpKind.GELU:
+                h1 = g.einsum("fc1", ln2g, self.w("fc1.weight", [H, F], [(), (TP,)]), [Bt, Sq, F])
+                h1 = self.maybe_bias("fc1", h1, [F], [(TP,)])
+                act = g.pointwise(GELU, "gelu", h1)
+            else:
+                gate = g.einsum(
+                    "gate_proj", ln2g, self.w("gate_proj.weight", [H, F], [(), (TP,)]), [Bt, Sq, F]
+                )
+                up = g.einsum(
+                    "up_proj", ln2g, self.w("up_proj.weight", [H, F], [(), (TP,)]), [Bt, Sq, F]
+                )
+                act = g.pointwise(SWIGLU, "swiglu", gate, up)
+            h2 = g.einsum("fc2", act, self.w("fc2.weight", [F, H], [(TP,), ()]), [Bt, Sq, H])
+            h2 = g.redistribute(h2, self.act)
+            h2 = self.maybe_bias("fc2", h2, [H], [()])
+            h2 = self.dropout("mlp_dropout", h2)
+            y = g.pointwise(ADD, "mlp_residual", x2, h2)
+            g.derive_backward(seed=y)
+            self._step()
+        return g
+
+    def embed(self) -> tuple[Graph, Tensor]:
+        g = self.g
+        Bt, Sq, H, V, P = DIMS.batch, DIMS.seq, DIMS.hidden, DIMS.vocab, DIMS.positions
+        with g.scope(Scope.EMBED):
+            ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [(DP,), (CP,)], 8)
+            table = self.w("word_embeddings", [V, H], [(TP,), ()])
+            x = g.embedding("word_embedding", ids, table, V, [Bt, Sq, H])
+            x = g.redistribute(x, self.act)
+            if self.k.position is PositionKind.LEARNED:
+                pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [(DP,), (CP,)], 8)
+                pos_table = self.w("position_embeddings", [P, H], [(), ()])
+                pos = g.embedding("position_embedding", pos_ids, pos_table, P, [Bt, Sq, H])
+                pos = g.redistribute(pos, self.act)
+                x = g.pointwise(ADD, "embedding_sum", x, pos)
+            y = self.dropout("embedding_dropout", x)
+            g.derive_backward(seed=y)
+            self._step()
+        return g, y
+
+    def head(self) -> tuple[Graph, Tensor | None]:
+        g = self.g
+        Bt, Sq, H, V = DIMS.batch, DIMS.seq, DIMS.hidden, DIMS.vocab
+        with g.scope(Scope.HEAD):
+            x = self.activation("final_input", [Bt, Sq, H], self.act)
+            g.block_input = x
+            ln = self.norm("final_norm", x)
+            lng = g.redistribute(ln, self.full)
+            tied = self.k.tied_embeddings
+            w = self.w("word_embeddings" if tied else "output.weight", [V, H], [(TP,), ()])
+            logits = g.einsum("logits", lng, w, [Bt, Sq, V])
+            g.cross_entropy("loss", logits, V, [Bt, Sq])
+            g.derive_backward()
+            self._step()
+        stored = g.weight_storage.get(w, w)
+        return g, (stored if tied else None)
+
+    def _step(self) -> None:
+        self.g.sync_and_step(
+            self.k.zero_stage,
+            DATA_AXES,
+            param_bytes=self.k.param_bytes,
+            grad_bytes=self.k.grad_bytes,
+            optimizer_bytes_per_param=self.k.optimizer_bytes_per_param,
+        )
+
+
+@lru_cache(maxsize=256)
+def _build(key: GraphKey) -> ModelGraphs:
+    embed, _ = _Builder(key).embed()
+    block = _Builder(key).block()
+    head, tied = _Builder(key).head()
+    assert block.block_input is not None
+    return ModelGraphs(
+        key=key,
+        embed=embed,
+        block=block,
+        head=head,
+        boundary=block.block_input,
+        tied_head_weight=tied,
+    )
+
+
+def build_graphs(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> ModelGraphs:
+    """The embed/block/head graphs for this model family and plan structure (cached)."""
+    return _build(graph_key(model, plan, training))

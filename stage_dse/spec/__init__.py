@@ -1,0 +1,31 @@
+"""Frozen, validated descriptions of what is evaluated: model, training step and parallel plan.
+
+Nothing here does I/O or computes a cost; presets are loaded by :mod:`stage_dse.config`.
+"""
+
+from stage_dse.spec.model import MlpKind, ModelSpec, NormKind, PositionKind
+from stage_dse.spec.plan import (
+    AttentionKernel,
+    MeshAxis,
+    ParallelPlan,
+    PipelineSchedule,
+    Recompute,
+    validate_plan,
+)
+from stage_dse.spec.training import DType, Optimizer, TrainingSpec
+
+__all__ = [
+    "AttentionKernel",
+    "DType",
+    "MeshAxis",
+    "MlpKind",
+    "ModelSpec",
+    "NormKind",
+    "Optimizer",
+    "ParallelPlan",
+    "PipelineSchedule",
+    "PositionKind",
+    "Recompute",
+    "TrainingSpec",
+    "validate_plan",
+]

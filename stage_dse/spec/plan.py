@@ -1,0 +1,216 @@
+"""``ParallelPlan``: how one model is split over GPUs, and the cross-checks against a model.
+
+What lives here: the plan dataclass, its enums, and :func:`validate_plan`, which checks a plan
+against a model, a training step and a GPU count with messages that name the violated relation.
+What does not: any cost.
+
+Rank order follows Megatron-LM's convention: the first axis of ``rank_order`` varies fastest
+over global ranks, so the default ``tp-cp-ep-dp-pp`` keeps a tensor-parallel group on adjacent
+ranks (one NVLink domain) and strides pipeline stages furthest apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+
+from stage_dse.errors import ConfigError
+from stage_dse.spec._validate import coerce_enum, divides, positive_int
+from stage_dse.spec.model import ModelSpec
+from stage_dse.spec.training import TrainingSpec
+
+__all__ = [
+    "AttentionKernel",
+    "MeshAxis",
+    "ParallelPlan",
+    "PipelineSchedule",
+    "Recompute",
+    "validate_plan",
+]
+
+
+class MeshAxis(StrEnum):
+    """Axes of the device mesh. Their product (ep excluded: it reuses dp ranks) is the GPU count."""
+
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    DP = "dp"
+    PP = "pp"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation (Korthikanti et al., MLSys 2023)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Recompute the attention core (QK^T, softmax, dropout): drops the a*s^2 activations."""
+    FULL = "full"
+    """Keep only each layer's input; rerun the layer's forward during backward."""
+
+
+class AttentionKernel(StrEnum):
+    MATERIALIZED = "materialized"
+    """Scores and probabilities are written to memory (the case of Korthikanti et al.)."""
+    FLASH = "flash"
+    """Fused kernel (FlashAttention): no s^2 tensors, QK^T recomputed inside backward."""
+
+
+class PipelineSchedule(StrEnum):
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    """Interleaved 1F1B with ``virtual_stages`` model chunks per GPU (Narayanan et al. SC21)."""
+
+
+DEFAULT_RANK_ORDER: tuple[MeshAxis, ...] = (
+    MeshAxis.TP,
+    MeshAxis.CP,
+    MeshAxis.EP,
+    MeshAxis.DP,
+    MeshAxis.PP,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """Degrees of parallelism and the execution choices of one training plan."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    tp: int = 1
+    """Tensor (Megatron intra-layer) parallel size."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context-parallel size: the sequence is split, K/V exchanged in a ring."""
+    ep: int = 1
+    """Expert-parallel size (MoE models only); shares the data-parallel ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms/dropout split over the sequence on the TP group."""
+    zero_stage: int = 0
+    """0: replicated states; 1: optimizer states sharded; 2: + gradients; 3: + parameters (FSDP)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    recompute: Recompute = Recompute.NONE
+    attention: AttentionKernel = AttentionKernel.FLASH
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule only)."""
+    rank_order: tuple[MeshAxis, ...] = DEFAULT_RANK_ORDER
+    """Mesh axes from fastest- to slowest-varying over global ranks."""
+
+    def __post_init__(self) -> None:
+        owner = "plan"
+        for field in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
+            positive_int(owner, field, getattr(self, field))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(
+                f"plan.sequence_parallel must be true or false, got {self.sequence_parallel!r}"
+            )
+        object.__setattr__(
+            self, "recompute", coerce_enum(Recompute, owner, "recompute", self.recompute)
+        )
+        object.__setattr__(
+            self, "attention", coerce_enum(AttentionKernel, owner, "attention", self.attention)
+        )
+        object.__setattr__(
+            self, "schedule", coerce_enum(PipelineSchedule, owner, "schedule", self.schedule)
+        )
+        order = self.rank_order
+        if isinstance(order, str):
+            order = tuple(order.split("-"))
+        order = tuple(coerce_enum(MeshAxis, owner, "rank_order", a) for a in order)
+        if sorted(order) != sorted(MeshAxis):
+            valid = "-".join(a.value for a in DEFAULT_RANK_ORDER)
+            raise ConfigError(
+                f"plan.rank_order={'-'.join(a.value for a in order)} must name each of "
+                f"tp, cp, ep, dp, pp exactly once (e.g. {valid})"
+            )
+        object.__setattr__(self, "rank_order", order)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("plan.sequence_parallel=true needs tp > 1, got tp(1)")
+        if self.schedule is PipelineSchedule.INTERLEAVED:
+            if self.pp == 1:
+                raise ConfigError("plan.schedule=interleaved needs pp > 1, got pp(1)")
+            if self.virtual_stages < 2:
+                raise ConfigError(
+                    f"plan.schedule=interleaved needs virtual_stages >= 2, "
+                    f"got virtual_stages({self.virtual_stages})"
+                )
+        elif self.virtual_stages != 1:
+            raise ConfigError(
+                f"plan.virtual_stages({self.virtual_stages}) > 1 needs schedule=interleaved"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs holding one replica of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def num_gpus(self) -> int:
+        """World size: dp * tp * pp * cp (expert parallelism reuses data-parallel ranks)."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def num_microbatches(self, training: TrainingSpec) -> int:
+        return training.global_batch_size // (self.dp * self.micro_batch_size)
+
+    def replace(self, **changes: object) -> ParallelPlan:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_plan(
+    model: ModelSpec,
+    training: TrainingSpec,
+    plan: ParallelPlan,
+    num_gpus: int | None = None,
+) -> None:
+    """Raise ``ConfigError`` naming the first relation the plan violates for this model."""
+    divides("tp", plan.tp, "heads", model.num_heads)
+    if model.num_kv_heads % plan.tp:
+        raise ConfigError(
+            f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads}) "
+            "(replicating key/value heads across tensor-parallel ranks is not modelled)"
+        )
+    divides("tp", plan.tp, "ffn_hidden_size", model.ffn_hidden_size)
+    divides("tp", plan.tp, "vocab", model.vocab_size)
+    if plan.pp > model.num_layers:
+        raise ConfigError(f"pp({plan.pp}) > layers({model.num_layers})")
+    if plan.pp * plan.virtual_stages > model.num_layers:
+        raise ConfigError(
+            f"pp({plan.pp})*virtual_stages({plan.virtual_stages})"
+            f"={plan.pp * plan.virtual_stages} > layers({model.num_layers})"
+        )
+    divides("cp", plan.cp, "seq", training.seq_len)
+    if plan.sequence_parallel and training.seq_len % (plan.tp * plan.cp):
+        raise ConfigError(
+            f"tp({plan.tp})*cp({plan.cp})={plan.tp * plan.cp} does not divide "
+            f"seq({training.seq_len}) (sequence parallelism splits the sequence over tp)"
+        )
+    if plan.ep != 1:
+        raise ConfigError(
+            f"ep({plan.ep}) > 1 needs a mixture-of-experts model; {model.name} is dense"
+        )
+    per_step = plan.dp * plan.micro_batch_size
+    if training.global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch({training.global_batch_size}) not divisible by "
+            f"dp({plan.dp})*micro_batch({plan.micro_batch_size})={per_step}"
+        )
+    if plan.schedule is PipelineSchedule.INTERLEAVED:
+        m = plan.num_microbatches(training)
+        if m % plan.pp:
+            raise ConfigError(
+                f"num_microbatches({m}) not divisible by pp({plan.pp}) "
+                "(required by the interleaved schedule)"
+            )
+    if num_gpus is not None:
+        positive_int("cluster", "num_gpus", num_gpus)
+        if plan.num_gpus != num_gpus:
+            raise ConfigError(
+                f"dp({plan.dp})*tp({plan.tp})*pp({plan.pp})*cp({plan.cp})"
+                f"={plan.num_gpus} != num_gpus({num_gpus})"
+            )

@@ -1,0 +1,61 @@
+"""Shared helpers: GPT dimension substitutions and a fast numeric path for expressions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import sympy as sp
+
+from stage_dse.graph.symbols import S
+from stage_dse.spec import ModelSpec, TrainingSpec
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+# GPT of Narayanan et al.: ffn = 4h, head_dim = h / a, MHA, learned positions of length s
+GPT_SUBS = {
+    S.ffn: 4 * S.hidden,
+    S.head_dim: S.hidden / S.heads,
+    S.kv_heads: S.heads,
+    S.positions: S.seq,
+}
+
+
+def gpt(layers=4, hidden=1024, heads=16, vocab=51200, **kw) -> ModelSpec:
+    return ModelSpec(
+        name="gpt_test",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=4 * hidden,
+        num_heads=heads,
+        vocab_size=vocab,
+        **kw,
+    )
+
+
+def llama(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32000) -> ModelSpec:
+    return ModelSpec(
+        name="llama_test",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        vocab_size=vocab,
+        norm="rmsnorm",
+        mlp="swiglu",
+        position="rope",
+        tied_embeddings=False,
+        bias=False,
+        dropout=False,
+    )
+
+
+def same(a: sp.Expr, b: sp.Expr) -> bool:
+    """Symbolic equality of two rational expressions."""
+    return sp.simplify(sp.cancel(sp.expand(a - b))) == 0
+
+
+@pytest.fixture
+def training() -> TrainingSpec:
+    return TrainingSpec(seq_len=2048, global_batch_size=64)

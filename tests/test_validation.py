@@ -1,0 +1,137 @@
+"""Bad input raises ConfigError whose message names the field, the values and the relation."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import gpt
+
+from stage_dse.config import load_model
+from stage_dse.errors import ConfigError, StageDseError
+from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec, validate_plan
+
+LLAMA70 = load_model("llama3_70b")
+T8K = TrainingSpec(seq_len=8192, global_batch_size=1000)
+
+
+def check(plan_kwargs, message, model=LLAMA70, training=T8K, num_gpus=None):
+    with pytest.raises(ConfigError) as info:
+        validate_plan(model, training, ParallelPlan(**plan_kwargs), num_gpus)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("plan_kwargs", "num_gpus", "message"),
+    [
+        ({"tp": 3}, None, "tp(3) does not divide heads(64)"),
+        ({"tp": 16}, None, "tp(16) does not divide kv_heads(8)"),
+        ({"dp": 2, "tp": 4, "pp": 3}, 32, "dp(2)*tp(4)*pp(3)*cp(1)=24 != num_gpus(32)"),
+        ({"pp": 96}, None, "pp(96) > layers(80)"),
+        (
+            {"dp": 64, "micro_batch_size": 4},
+            None,
+            "global_batch(1000) not divisible by dp(64)*micro_batch(4)=256",
+        ),
+        ({"cp": 3}, None, "cp(3) does not divide seq(8192)"),
+        ({"ep": 4}, None, "ep(4) > 1 needs a mixture-of-experts model"),
+        (
+            {"pp": 40, "schedule": "interleaved", "virtual_stages": 4},
+            None,
+            "pp(40)*virtual_stages(4)=160 > layers(80)",
+        ),
+        (
+            {"dp": 8, "pp": 8, "schedule": "interleaved", "virtual_stages": 2},
+            None,
+            "num_microbatches(125) not divisible by pp(8)",
+        ),
+    ],
+)
+def test_plan_against_model(plan_kwargs, num_gpus, message):
+    check(plan_kwargs, message, num_gpus=num_gpus)
+
+
+def test_vocab_divisibility():
+    check(
+        {"tp": 3},
+        "tp(3) does not divide vocab(50000)",
+        model=gpt(heads=12, hidden=768, vocab=50000),
+    )
+
+
+def test_sequence_parallel_needs_divisible_sequence():
+    training = TrainingSpec(seq_len=1004, global_batch_size=8)
+    check(
+        {"tp": 8, "sequence_parallel": True},
+        "tp(8)*cp(1)=8 does not divide seq(1004)",
+        training=training,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, "plan.tp must be > 0, got 0"),
+        ({"dp": -2}, "plan.dp must be > 0, got -2"),
+        ({"zero_stage": 4}, "plan.zero_stage must be 0, 1, 2 or 3, got 4"),
+        ({"recompute": "some"}, "plan.recompute='some' is not one of: none, selective, full"),
+        ({"sequence_parallel": True}, "plan.sequence_parallel=true needs tp > 1"),
+        (
+            {"schedule": "interleaved", "pp": 1, "virtual_stages": 2},
+            "plan.schedule=interleaved needs pp > 1",
+        ),
+        ({"pp": 2, "virtual_stages": 2}, "plan.virtual_stages(2) > 1 needs schedule=interleaved"),
+        (
+            {"rank_order": "tp-dp-pp"},
+            "plan.rank_order=tp-dp-pp must name each of tp, cp, ep, dp, pp",
+        ),
+        ({"micro_batch_size": 1.5}, "plan.micro_batch_size must be an integer, got 1.5"),
+    ],
+)
+def test_plan_fields(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        ParallelPlan(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": 0}, "model.num_layers must be > 0, got 0"),
+        (
+            {"num_heads": 12, "hidden_size": 1200, "num_kv_heads": 5},
+            "model.num_kv_heads(5) does not divide model.num_heads(12)",
+        ),
+        ({"num_heads": 7}, "model.num_heads(7) does not divide model.hidden_size(1024)"),
+        ({"norm": "batchnorm"}, "model.norm='batchnorm' is not one of: layernorm, rmsnorm"),
+    ],
+)
+def test_model_fields(kwargs, message):
+    base = {
+        "name": "m",
+        "num_layers": 2,
+        "hidden_size": 1024,
+        "ffn_hidden_size": 4096,
+        "num_heads": 16,
+        "vocab_size": 1000,
+    }
+    with pytest.raises(ConfigError) as info:
+        ModelSpec(**{**base, **kwargs})
+    assert message in str(info.value)
+
+
+def test_training_fields():
+    with pytest.raises(ConfigError, match=r"training.seq_len must be > 0, got -1"):
+        TrainingSpec(seq_len=-1, global_batch_size=8)
+    with pytest.raises(ConfigError, match=r"training.params_dtype='int3' is not one of"):
+        TrainingSpec(seq_len=8, global_batch_size=8, params_dtype="int3")
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as info:
+        load_model("llama5_1t")
+    assert "unknown model preset 'llama5_1t'; valid: " in str(info.value)
+    assert "llama3_70b" in str(info.value)
+
+
+def test_errors_share_one_root():
+    assert issubclass(ConfigError, StageDseError)
+    assert issubclass(ConfigError, ValueError)
