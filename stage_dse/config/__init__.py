@@ -1,5 +1,23 @@
 """The edge between configuration files and domain specs: presets and (later) Hydra schemas."""
 
-from stage_dse.config.presets import conf_dir, list_presets, load_model, read_preset
+from stage_dse.config.presets import (
+    cluster_from_dict,
+    conf_dir,
+    hardware_from_dict,
+    list_presets,
+    load_cluster,
+    load_hardware,
+    load_model,
+    read_preset,
+)
 
-__all__ = ["conf_dir", "list_presets", "load_model", "read_preset"]
+__all__ = [
+    "cluster_from_dict",
+    "conf_dir",
+    "hardware_from_dict",
+    "list_presets",
+    "load_cluster",
+    "load_hardware",
+    "load_model",
+    "read_preset",
+]

@@ -12,9 +12,33 @@ from typing import Any
 import yaml
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec import ModelSpec
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 
-__all__ = ["conf_dir", "list_presets", "load_model", "read_preset"]
+__all__ = [
+    "cluster_from_dict",
+    "conf_dir",
+    "hardware_from_dict",
+    "list_presets",
+    "load_cluster",
+    "load_hardware",
+    "load_model",
+    "read_preset",
+]
+
+# YAML key in human units -> (spec field in base units, factor)
+HARDWARE_UNITS: dict[str, tuple[str, float]] = {
+    "peak_bf16_tflops": ("peak_flops", 1e12),
+    "hbm_gib": ("hbm_bytes", 2.0**30),
+    "hbm_tb_s": ("hbm_bandwidth_bytes_per_s", 1e12),
+    "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),
+    "kernel_launch_us": ("kernel_launch_s", 1e-6),
+}
+CLUSTER_UNITS: dict[str, tuple[str, float]] = {
+    "intra_gb_s": ("intra_bandwidth_bytes_per_s", 1e9),
+    "inter_gbit_s": ("inter_bandwidth_bytes_per_s", 1e9 / 8),
+    "intra_latency_us": ("intra_latency_s", 1e-6),
+    "inter_latency_us": ("inter_latency_s", 1e-6),
+}
 
 
 def conf_dir() -> Path:
@@ -48,3 +72,43 @@ def load_model(name: str, **overrides: Any) -> ModelSpec:
         return ModelSpec(**data)
     except TypeError as exc:  # unknown or missing field in the YAML
         raise ConfigError(f"model preset {name!r}: {exc}") from None
+
+
+def _convert(
+    kind: str, data: dict[str, Any], units: dict[str, tuple[str, float]], spec_type: type
+) -> Any:
+    fields = {f for f in spec_type.__dataclass_fields__}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in units:
+            field, factor = units[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{kind}.{key} must be a number, got {value!r}")
+            out[field] = float(value) * factor
+        elif key in fields:
+            out[key] = value
+        else:
+            valid = ", ".join(sorted({*units, *(fields - {u[0] for u in units.values()})}))
+            raise ConfigError(f"{kind}.{key} is not a known field; valid: {valid}")
+    try:
+        return spec_type(**out)
+    except TypeError as exc:
+        raise ConfigError(f"{kind}: {exc}") from None
+
+
+def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
+    """A ``HardwareSpec`` from YAML-style keys in human units (``hbm_gib``, ``hbm_tb_s``, ...)."""
+    return _convert("hardware", data, HARDWARE_UNITS, HardwareSpec)
+
+
+def cluster_from_dict(data: dict[str, Any]) -> ClusterSpec:
+    """A ``ClusterSpec`` from YAML-style keys in human units (``intra_gb_s``, ...)."""
+    return _convert("cluster", data, CLUSTER_UNITS, ClusterSpec)
+
+
+def load_hardware(name: str, **overrides: Any) -> HardwareSpec:
+    return hardware_from_dict({**read_preset("hardware", name), **overrides})
+
+
+def load_cluster(name: str, **overrides: Any) -> ClusterSpec:
+    return cluster_from_dict({**read_preset("cluster", name), **overrides})

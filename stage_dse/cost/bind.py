@@ -1,68 +1,105 @@
-"""Binding specs to symbol values, and evaluating cost expressions for one plan.
+"""Binding specs to symbol values, and evaluating one plan.
 
-What lives here: :func:`bind` (specs -> symbol values) and :func:`evaluate_plan`, which
-evaluates the compiled expressions of a plan's family. Evaluation always goes through
-``sympy.lambdify`` (compiled once per family and cached); per-config ``subs`` is never used.
+What lives here: :func:`bind` (model, training step, plan -> symbol values),
+:func:`bind_hardware` (hardware, cluster -> symbol values) and :func:`evaluate_plan`, a one-row
+use of the compiled family (:mod:`stage_dse.cost.compile`). Per-config ``subs`` is never used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import lru_cache
+import math
 
 import numpy as np
-import sympy as sp
 
-from stage_dse.cost.derive import CostKey, cost_key, derive
-from stage_dse.graph.symbols import S, Symbols
-from stage_dse.graph.transformer import build_graphs
-from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec, validate_plan
+from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
+from stage_dse.cost.derive import cost_key
+from stage_dse.errors import ConfigError
+from stage_dse.graph.symbols import HARDWARE_SYMBOLS
+from stage_dse.spec import (
+    ClusterSpec,
+    HardwareSpec,
+    ModelSpec,
+    ParallelPlan,
+    TrainingSpec,
+    validate_plan,
+)
 
-__all__ = ["SYMBOL_ORDER", "bind", "compiled", "evaluate_plan"]
-
-SYMBOL_ORDER: tuple[sp.Symbol, ...] = tuple(Symbols.all().values())
-"""Argument order of every compiled function."""
+__all__ = ["bind", "bind_hardware", "evaluate_plan"]
 
 
-def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[sp.Symbol, int]:
-    """Values of every symbol for one concrete (model, training step, plan)."""
+def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[str, float]:
+    """Values of the model, step and plan symbols for one concrete configuration."""
     return {
-        S.micro_batch: plan.micro_batch_size,
-        S.seq: training.seq_len,
-        S.hidden: model.hidden_size,
-        S.ffn: model.ffn_hidden_size,
-        S.heads: model.num_heads,
-        S.kv_heads: model.num_kv_heads,
-        S.head_dim: model.head_dim,
-        S.vocab: model.vocab_size,
-        S.layers: model.num_layers,
-        S.positions: model.max_positions or training.seq_len,
-        S.global_batch: training.global_batch_size,
-        S.dp: plan.dp,
-        S.tp: plan.tp,
-        S.pp: plan.pp,
-        S.cp: plan.cp,
-        S.ep: plan.ep,
-        S.virtual_stages: plan.virtual_stages,
+        "micro_batch": plan.micro_batch_size,
+        "seq": training.seq_len,
+        "hidden": model.hidden_size,
+        "ffn": model.ffn_hidden_size,
+        "heads": model.num_heads,
+        "kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "vocab": model.vocab_size,
+        "layers": model.num_layers,
+        "positions": model.max_positions or training.seq_len,
+        "global_batch": training.global_batch_size,
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "cp": plan.cp,
+        "ep": plan.ep,
+        "virtual_stages": plan.virtual_stages,
     }
 
 
-@lru_cache(maxsize=512)
-def compiled(key: CostKey) -> tuple[tuple[str, ...], Callable[..., list[np.ndarray]]]:
-    """Names and one numpy function returning every cost of a family, arguments SYMBOL_ORDER."""
-    exprs = derive(key).all()
-    names = tuple(exprs)
-    fn = sp.lambdify(SYMBOL_ORDER, [exprs[n] for n in names], modules="numpy", cse=True)
-    return names, fn
+def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, float]:
+    """Values of the hardware and network symbols (base units)."""
+    return {
+        "peak_flops": hardware.peak_flops,
+        "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
+        "gemm_efficiency": hardware.gemm_efficiency,
+        "gemm_half_dim": hardware.gemm_half_dim,
+        "attention_efficiency": hardware.attention_efficiency,
+        "memory_efficiency": hardware.memory_efficiency,
+        "kernel_launch_s": hardware.kernel_launch_s,
+        "usable_memory": hardware.usable_bytes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "intra_bandwidth": cluster.intra_bandwidth_bytes_per_s,
+        "inter_bandwidth": cluster.inter_bandwidth_bytes_per_s,
+        "intra_latency": cluster.intra_latency_s,
+        "inter_latency": cluster.inter_latency_s,
+        "intra_efficiency": cluster.intra_efficiency,
+        "inter_efficiency": cluster.inter_efficiency,
+        "pod_gpus": cluster.pod_gpus or cluster.num_gpus,
+        "oversubscription": cluster.oversubscription,
+    }
+
+
+def check_fits_cluster(plan: ParallelPlan, cluster: ClusterSpec) -> None:
+    if plan.num_gpus > cluster.num_gpus:
+        raise ConfigError(
+            f"plan needs dp({plan.dp})*tp({plan.tp})*pp({plan.pp})*cp({plan.cp})"
+            f"={plan.num_gpus} GPUs > cluster.num_gpus({cluster.num_gpus})"
+        )
 
 
 def evaluate_plan(
-    model: ModelSpec, training: TrainingSpec, plan: ParallelPlan, num_gpus: int | None = None
+    model: ModelSpec,
+    training: TrainingSpec,
+    plan: ParallelPlan,
+    num_gpus: int | None = None,
+    *,
+    hardware: HardwareSpec | None = None,
+    cluster: ClusterSpec | None = None,
 ) -> dict[str, float]:
-    """Every cost of one validated plan as plain floats (``mem_total``, ``flops_model``, ...)."""
+    """Every cost of one validated plan as floats (``mem_total``, ``flops_model``,
+    ``time_step_s``, ``mfu``, ...). Without hardware and cluster, time outputs are NaN."""
     validate_plan(model, training, plan, num_gpus)
-    build_graphs(model, plan, training)
-    names, fn = compiled(cost_key(model, plan, training))
     values = bind(model, training, plan)
-    out = fn(*(np.full(1, values[s], dtype=np.float64) for s in SYMBOL_ORDER))
-    return {n: float(np.broadcast_to(v, (1,))[0]) for n, v in zip(names, out)}
+    if hardware is not None and cluster is not None:
+        check_fits_cluster(plan, cluster)
+        values.update(bind_hardware(hardware, cluster))
+    else:
+        values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))
+    family = compile_family(cost_key(model, plan, training))
+    x = np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
+    y = family(x)[0]
+    return {n: float(v) for n, v in zip(family.names, y)}

@@ -255,13 +255,33 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
 # --------------------------------------------------------------------------- whole model
 @dataclass(frozen=True)
 class CostKey:
+    """The structural choices of a plan family: one set of expressions per key."""
+
     graph: GraphKey
     recompute: Recompute
     schedule: PipelineSchedule
+    rank_order: tuple[MeshAxis, ...] = (
+        MeshAxis.TP,
+        MeshAxis.CP,
+        MeshAxis.EP,
+        MeshAxis.DP,
+        MeshAxis.PP,
+    )
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
 
 
 def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
-    return CostKey(graph_key(model, plan, training), plan.recompute, plan.schedule)
+    return CostKey(
+        graph=graph_key(model, plan, training),
+        recompute=plan.recompute,
+        schedule=plan.schedule,
+        rank_order=plan.rank_order,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=plan.overlap_param_gather,
+        tp_comm_overlap=plan.tp_comm_overlap,
+    )
 
 
 @dataclass(frozen=True)
@@ -293,7 +313,8 @@ class TrainingCosts:
 
 def derive(key: CostKey) -> TrainingCosts:
     """All cost expressions of a model family under one plan structure (cached)."""
-    return _derive(key)
+    # memory, flops and bytes do not depend on rank order or overlap: share one derivation
+    return _derive(CostKey(key.graph, key.recompute, key.schedule))
 
 
 @lru_cache(maxsize=512)

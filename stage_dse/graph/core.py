@@ -793,6 +793,19 @@ class Graph:
             grads[t] = g
             return
         old = grads[t]
+        producer = self.ops[-1] if self.ops and g in self.ops[-1].outputs else None
+        if (
+            producer is not None
+            and producer.kind is OpKind.EINSUM
+            and old.partial == g.partial
+            and old.layout == g.layout
+        ):
+            # the GEMM accumulates into the existing gradient (C = AB + C): no extra kernel,
+            # one more read of C
+            producer.bytes = producer.bytes + old.local_bytes
+            producer.outputs = (g,)
+            grads[t] = g
+            return
         if old.partial != g.partial:
             old = self.redistribute(old, t.layout, phase=Phase.BACKWARD)
             g = self.redistribute(g, t.layout, phase=Phase.BACKWARD)
@@ -901,6 +914,10 @@ class Graph:
                     self._accumulate(grads, inp, self._grad_like(inp, dy.layout))
                 return
             dxs = [self._grad_like(x, x.layout)]
+            if kind is OpKind.BIAS:
+                # d(x + b)/dx is the identity: the gradient passes on without a copy
+                dxs = []
+                self._accumulate(grads, x, self._grad_like(x, dy.layout, dy.partial))
             if kind is OpKind.ELEMENTWISE:
                 dxs = [self._grad_like(inp, inp.layout) for inp in op.inputs]
             wgrads: list[tuple[Tensor, Tensor]] = []

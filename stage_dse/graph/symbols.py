@@ -11,11 +11,15 @@ import sympy as sp
 
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["DEGREE", "S", "Symbols"]
+__all__ = ["DEGREE", "HARDWARE_SYMBOLS", "S", "Symbols"]
 
 
 def _sym(name: str) -> sp.Symbol:
     return sp.Symbol(name, positive=True, integer=True)
+
+
+def _real(name: str) -> sp.Symbol:
+    return sp.Symbol(name, positive=True)
 
 
 class Symbols:
@@ -41,6 +45,25 @@ class Symbols:
     cp = _sym("cp")
     ep = _sym("ep")
     virtual_stages = _sym("virtual_stages")
+    # hardware (HardwareSpec), base units
+    peak_flops = _real("peak_flops")
+    hbm_bandwidth = _real("hbm_bandwidth")
+    gemm_efficiency = _real("gemm_efficiency")
+    gemm_half_dim = _real("gemm_half_dim")
+    attention_efficiency = _real("attention_efficiency")
+    memory_efficiency = _real("memory_efficiency")
+    kernel_launch_s = _real("kernel_launch_s")
+    usable_memory = _real("usable_memory")
+    # cluster (ClusterSpec), base units
+    gpus_per_node = _sym("gpus_per_node")
+    intra_bandwidth = _real("intra_bandwidth")
+    inter_bandwidth = _real("inter_bandwidth")
+    intra_latency = _real("intra_latency")
+    inter_latency = _real("inter_latency")
+    intra_efficiency = _real("intra_efficiency")
+    inter_efficiency = _real("inter_efficiency")
+    pod_gpus = _sym("pod_gpus")
+    oversubscription = _real("oversubscription")
 
     @classmethod
     def all(cls) -> dict[str, sp.Symbol]:
@@ -48,6 +71,28 @@ class Symbols:
 
 
 S = Symbols
+
+HARDWARE_SYMBOLS = (
+    "peak_flops",
+    "hbm_bandwidth",
+    "gemm_efficiency",
+    "gemm_half_dim",
+    "attention_efficiency",
+    "memory_efficiency",
+    "kernel_launch_s",
+    "usable_memory",
+    "gpus_per_node",
+    "intra_bandwidth",
+    "inter_bandwidth",
+    "intra_latency",
+    "inter_latency",
+    "intra_efficiency",
+    "inter_efficiency",
+    "pod_gpus",
+    "oversubscription",
+)
+"""Symbols bound from ``HardwareSpec`` and ``ClusterSpec`` (all others come from the model,
+training step and plan)."""
 
 DEGREE: dict[MeshAxis, sp.Symbol] = {
     MeshAxis.DP: S.dp,

@@ -3,6 +3,7 @@
 Nothing here does I/O or computes a cost; presets are loaded by :mod:`stage_dse.config`.
 """
 
+from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import MlpKind, ModelSpec, NormKind, PositionKind
 from stage_dse.spec.plan import (
     AttentionKernel,
@@ -16,7 +17,9 @@ from stage_dse.spec.training import DType, Optimizer, TrainingSpec
 
 __all__ = [
     "AttentionKernel",
+    "ClusterSpec",
     "DType",
+    "HardwareSpec",
     "MeshAxis",
     "MlpKind",
     "ModelSpec",

@@ -99,6 +99,15 @@ class ParallelPlan:
     """Model chunks per pipeline rank (interleaved schedule only)."""
     rank_order: tuple[MeshAxis, ...] = DEFAULT_RANK_ORDER
     """Mesh axes from fastest- to slowest-varying over global ranks."""
+    overlap_grad_reduce: bool = True
+    """Data-parallel gradient reduction runs during the last micro-batch's backward
+    (Megatron-LM ``--overlap-grad-reduce``, DeepSpeed/FSDP bucketed hooks)."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2 parameter all-gather after the step runs under the next forward
+    (Megatron-LM ``--overlap-param-gather``)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives are pipelined with the GEMMs that produce/consume them
+    (Transformer Engine userbuffers); off, they sit on the critical path."""
 
     def __post_init__(self) -> None:
         owner = "plan"
@@ -106,10 +115,14 @@ class ParallelPlan:
             positive_int(owner, field, getattr(self, field))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ConfigError(
-                f"plan.sequence_parallel must be true or false, got {self.sequence_parallel!r}"
-            )
+        for flag in (
+            "sequence_parallel",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "tp_comm_overlap",
+        ):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
         object.__setattr__(
             self, "recompute", coerce_enum(Recompute, owner, "recompute", self.recompute)
         )

@@ -1,0 +1,383 @@
+"""Step time of a training plan: roofline per op, alpha-beta collectives on network tiers,
+pipeline schedule, and the overlaps frameworks implement.
+
+What lives here: pure functions from the symbolic graphs (and a :class:`CostKey`) to named time
+expressions in seconds. What does not: numbers (see :mod:`stage_dse.cost.compile`), I/O.
+
+Model, in order of the terms of ``time_step_s``:
+
+* **Compute.** Each op takes ``max(flops / (peak * eff), bytes / (hbm_bw * mem_eff))`` plus a
+  launch cost. GEMM efficiency is ``gemm_efficiency * d / (d + gemm_half_dim)`` with ``d`` the
+  smallest of the GEMM's M, N, K on one GPU (tile and wave quantization make thin GEMMs slow);
+  fused attention kernels use ``attention_efficiency``; everything else streams memory. Chains
+  of element-wise kernels whose intermediate is neither saved nor reused are fused (their
+  intermediate never reaches HBM), as Megatron-LM's fused bias-GeLU / bias-dropout-add /
+  scale-mask-softmax kernels do. Recomputed ops are rerun inside backward.
+* **Collectives** (Thakur et al. 2005; NCCL): a group of ``n`` GPUs splits into ``n_in`` members
+  per scale-up domain times ``n_out`` domains, which follows from the mesh rank order and
+  ``gpus_per_node``. Ring all-reduce moves ``2(n-1)/n`` of the buffer, all-gather and
+  reduce-scatter ``(n-1)/n``; hierarchically, the scale-up tier carries the ``n_in`` part at
+  NVLink speed and each GPU's NIC carries the ``n_out`` part of a ``1/n_in`` shard. All-to-all
+  sends ``(n - n_in)/n`` of its buffer over the NIC. Latency: ring steps inside the domain,
+  tree steps (log2) for all-reduce across domains, ring steps for gathers. Groups spanning more
+  than ``pod_gpus`` see the scale-out bandwidth divided by ``oversubscription``.
+* **Exposure.** Tensor-parallel collectives sit on the critical path (or hide behind GEMMs
+  with ``tp_comm_overlap``); the context-parallel ring hides behind attention compute; ZeRO-3
+  gathers and ZeRO-2/3 reduce-scatters prefetch behind the micro-batch's compute; pipeline
+  send/recv is exposed.
+* **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
+  slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``.
+* **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
+  backward with ``overlap_grad_reduce`` (the last bucket, one layer's worth, stays exposed);
+  ZeRO-1/2's parameter all-gather hides behind the next forward with ``overlap_param_gather``.
+* **Optimizer** step streams master weights, states and gradients through HBM.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import sympy as sp
+
+from stage_dse.cost.derive import CostKey, _recomputed_ops, derive
+from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
+from stage_dse.graph.symbols import DEGREE, S
+from stage_dse.spec import MeshAxis, PipelineSchedule
+
+__all__ = ["collective_time", "derive_time", "group_tiers"]
+
+DATA = frozenset({MeshAxis.DP, MeshAxis.CP})
+ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, OpKind.EMBEDDING)
+
+
+def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
+    items = list(items)
+    return sp.Add(*items) if items else sp.Integer(0)
+
+
+def _max(*args: sp.Expr) -> sp.Expr:
+    # unevaluated: sympy would otherwise try to order large expressions symbolically
+    return sp.Max(*args, evaluate=False)
+
+
+def _min(*args: sp.Expr) -> sp.Expr:
+    return sp.Min(*args, evaluate=False)
+
+
+# --------------------------------------------------------------------------- network
+def group_tiers(
+    group: Iterable[MeshAxis], rank_order: tuple[MeshAxis, ...]
+) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """(members per scale-up domain, domains spanned, span of global ranks) of a group.
+
+    With the first axis of ``rank_order`` varying fastest, axis ``a`` has stride ``s_a`` (product
+    of the degrees before it); a node of ``N`` consecutive ranks holds ``min(d_a, N / s_a)``
+    values of it (at least one). Exact when degrees and ``N`` are powers of two.
+    """
+    group = set(group)
+    stride: dict[MeshAxis, sp.Expr] = {}
+    acc: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        stride[axis] = acc
+        acc = acc * DEGREE[axis]
+    n_in: sp.Expr = sp.Integer(1)
+    n: sp.Expr = sp.Integer(1)
+    span: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        if axis not in group:
+            continue
+        d = DEGREE[axis]
+        n_in *= _max(1, _min(d, S.gpus_per_node / stride[axis]))
+        n *= d
+        span += stride[axis] * (d - 1)
+    return n_in, n / n_in, span
+
+
+def collective_time(
+    kind: CollKind, group: Iterable[MeshAxis], size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+) -> sp.Expr:
+    """Seconds for one collective with a buffer of ``size_bytes`` per GPU (see module doc)."""
+    group = frozenset(group)
+    n_in, n_out, span = group_tiers(group, rank_order)
+    bw_in = S.intra_bandwidth * S.intra_efficiency
+    pod = sp.Piecewise((S.oversubscription, span > S.pod_gpus), (1, True))
+    bw_out = S.inter_bandwidth * S.inter_efficiency / pod
+    a_in, a_out = S.intra_latency, S.inter_latency
+    if kind is CollKind.ALL_REDUCE:
+        return (
+            2 * (n_in - 1) / n_in * size_bytes / bw_in
+            + 2 * (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + 2 * (n_in - 1) * a_in
+            + 2 * sp.log(n_out, 2) * a_out
+        )
+    if kind in (CollKind.ALL_GATHER, CollKind.REDUCE_SCATTER):
+        return (
+            (n_in - 1) / n_in * size_bytes / bw_in
+            + (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + (n_in - 1) * a_in
+            + (n_out - 1) * a_out
+        )
+    if kind is CollKind.ALL_TO_ALL:
+        n = n_in * n_out
+        return (
+            (n_in - 1) / n * size_bytes / bw_in
+            + (n - n_in) / n * size_bytes / bw_out
+            + (n_in - 1) * a_in
+            + (n - n_in) * a_out
+        )
+    if kind is CollKind.SEND_RECV:
+        # the slowest hop of the pipeline: over the NIC as soon as stages span domains
+        bw = sp.Piecewise((bw_out, n_out > 1), (bw_in, True))
+        lat = sp.Piecewise((a_out, n_out > 1), (a_in, True))
+        return _min(1, DEGREE[MeshAxis.PP] - 1) * (size_bytes / bw + lat)
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------- compute
+def _gemm_min_dim(op: Op) -> sp.Expr:
+    a, b = op.inputs
+    (out,) = op.outputs
+    local = {
+        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
+        for ax, ms in zip(op.axes_iter, op.layout_iter)
+    }
+    in_a, in_b, in_o = set(a.axes), set(b.axes), set(out.axes)
+    m = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_o and ax not in in_b])
+    n = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_b and ax in in_o and ax not in in_a])
+    k = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_b and ax not in in_o])
+    return _min(m, n, k)
+
+
+def _compute_time(op: Op) -> sp.Expr:
+    stream = op.bytes / (S.hbm_bandwidth * S.memory_efficiency)
+    if op.kind is OpKind.EINSUM:
+        d = _gemm_min_dim(op)
+        eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
+        return _max(op.flops / (S.peak_flops * eff), stream) + S.kernel_launch_s
+    if op.kind is OpKind.ATTENTION:
+        eff = S.attention_efficiency
+        return _max(op.flops / (S.peak_flops * eff), stream) + S.kernel_launch_s
+    if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
+        return stream + S.kernel_launch_s
+    return sp.Integer(0)
+
+
+def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
+    """HBM bytes each element-wise op does not move because it runs fused with its consumer.
+
+    An element-wise output consumed by exactly one element-wise op and not kept for backward
+    stays in registers: neither written nor read back (forward and backward alike).
+    """
+    fusible = (OpKind.ELEMENTWISE, OpKind.BIAS)
+    out: dict[Op, sp.Expr] = {}
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        ops = [op for op in graph.ops if op.phase is phase]
+        consumers: dict[object, list[Op]] = defaultdict(list)
+        saved: set[object] = set()
+        for op in ops:
+            for t in op.inputs:
+                consumers[t].append(op)
+            saved.update(op.saved)
+        for op in ops:
+            if op.kind not in fusible:
+                continue
+            for t in op.outputs:
+                users = consumers.get(t, [])
+                if len(users) == 1 and users[0].kind in fusible and t not in saved:
+                    out[op] = out.get(op, sp.Integer(0)) + 2 * t.local_bytes
+    return out
+
+
+@dataclass(frozen=True)
+class SectionTime:
+    """Seconds per micro-batch of one section (per step where a name says so)."""
+
+    fwd: sp.Expr
+    bwd: sp.Expr
+    """Backward compute including recomputed forward ops."""
+    gemm: sp.Expr
+    attention: sp.Expr
+    tp_comm: sp.Expr
+    cp_comm: sp.Expr
+    zero_comm: sp.Expr
+    """Per-micro-batch collectives over the data axes (ZeRO-2/3)."""
+    grad_sync_step: sp.Expr
+    param_gather_step: sp.Expr
+    optimizer_step: sp.Expr
+    fwd_comm: sp.Expr
+    bwd_comm: sp.Expr
+
+
+def section_time(graph: Graph, key: CostKey) -> SectionTime:
+    order = key.rank_order
+    rerun = _recomputed_ops(graph, key.recompute)
+    savings = _fusion_savings(graph)
+    stream = S.hbm_bandwidth * S.memory_efficiency
+    ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
+    acc: dict[str, list[sp.Expr]] = defaultdict(list)
+    for op, is_rerun in ops:
+        if op.is_comm:
+            t = collective_time(op.coll, op.group, op.comm_bytes, order)
+            if op.group & DATA:
+                if op.frequency is Frequency.PER_STEP:
+                    name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
+                else:
+                    name = "zero_comm"
+            elif op.group == {MeshAxis.CP}:
+                name = "cp_comm"
+            else:
+                name = "tp_comm"
+            acc[name].append(t)
+            if name in ("tp_comm", "cp_comm"):
+                phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
+                acc[phase].append(t)
+            continue
+        t = _compute_time(op) - savings.get(op, 0) / stream
+        if op.kind is OpKind.OPTIMIZER:
+            acc["optimizer_step"].append(t)
+            continue
+        phase = "fwd" if op.phase is Phase.FORWARD and not is_rerun else "bwd"
+        acc[phase].append(t)
+        if op.kind is OpKind.EINSUM:
+            acc["gemm"].append(t)
+        if op.kind is OpKind.ATTENTION or (op.matmul and op.region.value != "none"):
+            acc["attention"].append(t)
+    return SectionTime(
+        fwd=_sum(acc["fwd"]),
+        bwd=_sum(acc["bwd"]),
+        gemm=_sum(acc["gemm"]),
+        attention=_sum(acc["attention"]),
+        tp_comm=_sum(acc["tp_comm"]),
+        cp_comm=_sum(acc["cp_comm"]),
+        zero_comm=_sum(acc["zero_comm"]),
+        grad_sync_step=_sum(acc["grad_sync_step"]),
+        param_gather_step=_sum(acc["param_gather_step"]),
+        optimizer_step=_sum(acc["optimizer_step"]),
+        fwd_comm=_sum(acc["fwd_comm"]),
+        bwd_comm=_sum(acc["bwd_comm"]),
+    )
+
+
+Program = tuple[tuple[tuple[sp.Symbol, sp.Expr], ...], tuple[tuple[str, sp.Expr], ...]]
+
+
+def derive_time(key: CostKey) -> Program:
+    """Step-time expressions of one plan family as a small program.
+
+    Returns ``(definitions, outputs)``: ``definitions`` are ``(symbol, expression)`` pairs, each
+    over the model/plan/hardware symbols and earlier definition symbols; ``outputs`` are named
+    expressions over the same. Keeping intermediate quantities (per-section times, per-stage
+    micro-batch times) as symbols keeps every expression small; :mod:`stage_dse.cost.compile`
+    evaluates definitions in order.
+    """
+    return _derive_time(key)
+
+
+@lru_cache(maxsize=512)
+def _derive_time(key: CostKey) -> Program:
+    from stage_dse.graph.transformer import _build
+
+    graphs = _build(key.graph)
+    costs = derive(key)
+    defs: list[tuple[sp.Symbol, sp.Expr]] = []
+
+    def define(name: str, expr: sp.Expr) -> sp.Symbol:
+        sym = sp.Symbol(f"_{name}", real=True)
+        defs.append((sym, expr))
+        return sym
+
+    sections = {}
+    for label, graph in zip(("emb", "blk", "head"), graphs.sections):
+        st = section_time(graph, key)
+        sections[label] = SectionTime(
+            **{f: define(f"{label}_{f}", getattr(st, f)) for f in SectionTime.__dataclass_fields__}
+        )
+    emb, blk, head = sections["emb"], sections["blk"], sections["head"]
+    L, pp, v = S.layers, S.pp, S.virtual_stages
+    per_stage = sp.ceiling(L / pp)
+    single = _max(0, 2 - pp)
+    m = S.global_batch / (S.dp * S.micro_batch)
+
+    def stage(label: str, parts: list[tuple[SectionTime, sp.Expr]]) -> dict[str, sp.Expr]:
+        def tot(attr: str) -> sp.Expr:
+            return _sum([getattr(sec, attr) * k for sec, k in parts])
+
+        fwd = define(f"{label}_fwd", tot("fwd"))
+        bwd = define(f"{label}_bwd", tot("bwd"))
+        compute = fwd + bwd
+        tp = tot("tp_comm")
+        if key.tp_comm_overlap:
+            tp = _max(0, tp - tot("gemm"))
+        return {
+            "compute": compute,
+            "fwd": fwd,
+            "bwd": bwd,
+            "tp": define(f"{label}_tp", tp),
+            "cp": define(f"{label}_cp", _max(0, tot("cp_comm") - tot("attention"))),
+            "zero": define(f"{label}_zero", _max(0, tot("zero_comm") - compute)),
+            "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
+            "param_gather": define(f"{label}_param_gather", tot("param_gather_step")),
+            "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
+        }
+
+    first = stage("first", [(blk, per_stage), (emb, 1), (head, single)])
+    last = stage("last", [(blk, per_stage), (head, 1)])
+    # Each micro-batch crosses a stage boundary forward and backward once per model chunk.
+    # Without sequence parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al.
+    # sec. 4.1) sends a 1/tp slice over the network and all-gathers it over the tp group.
+    boundary = costs.stage["boundary_bytes"]
+    chunks = v if key.schedule is PipelineSchedule.INTERLEAVED else 1
+    if key.graph.sequence_parallel:
+        hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
+    else:
+        hop = collective_time(
+            CollKind.SEND_RECV, {MeshAxis.PP}, boundary / S.tp, key.rank_order
+        ) + _min(1, S.pp - 1) * collective_time(
+            CollKind.ALL_GATHER, {MeshAxis.TP}, boundary, key.rank_order
+        )
+    p2p = define("p2p", 2 * chunks * hop)
+
+    def mb_time(st: dict[str, sp.Expr]) -> sp.Expr:
+        return st["compute"] + st["tp"] + st["cp"] + st["zero"] + p2p
+
+    t_first = define("t_mb_first", mb_time(first))
+    t_last = define("t_mb_last", mb_time(last))
+    first_slow = sp.Ge(t_first, t_last)
+
+    def pick(name: str) -> sp.Expr:
+        return sp.Piecewise((first[name], first_slow), (last[name], True))
+
+    t_mb = _max(t_first, t_last)
+    bubble_mb = (pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1
+    # data-parallel collectives of the heavier stage (the first holds the embeddings)
+    grad_sync = _max(first["grad_sync"], last["grad_sync"])
+    param_gather = _max(first["param_gather"], last["param_gather"])
+    if key.overlap_grad_reduce:
+        grad_sync = _max(grad_sync - pick("bwd"), grad_sync / per_stage)
+    if key.overlap_param_gather:
+        param_gather = _max(param_gather - pick("fwd"), param_gather / per_stage)
+    out: dict[str, sp.Expr] = {
+        "compute_s": m * pick("compute"),
+        "tp_comm_s": m * pick("tp"),
+        "cp_comm_s": m * pick("cp"),
+        "zero_comm_s": m * pick("zero"),
+        "pp_comm_s": m * p2p,
+        "bubble_s": bubble_mb * t_mb,
+        "dp_comm_s": grad_sync + param_gather,
+        "optimizer_s": _max(first["optimizer"], last["optimizer"]),
+    }
+    step = define("step", _sum(out.values()))
+    out["step_s"] = step
+    gpus = S.dp * S.tp * S.pp * S.cp
+    out["tokens_per_s"] = S.global_batch * S.seq / step
+    out["mfu"] = costs.flops["model"] / (step * gpus * S.peak_flops)
+    out["hfu"] = costs.flops["matmul"] / (step * gpus * S.peak_flops)
+    out["achieved_flops_per_gpu"] = costs.flops["matmul"] / (step * gpus)
+    # one transformer layer, one micro-batch, with its exposed tensor/context-parallel comm
+    # (what Korthikanti et al. Table 4 reports)
+    out["layer_fwd_s"] = blk.fwd + blk.fwd_comm
+    out["layer_bwd_s"] = blk.bwd + blk.bwd_comm
+    return tuple(defs), tuple(out.items())

@@ -1,0 +1,123 @@
+"""``HardwareSpec`` (one accelerator) and ``ClusterSpec`` (how accelerators are connected).
+
+Base units only (bytes, seconds, flop/s, bytes/s); YAML presets carry human units (GiB, TB/s,
+Gb/s, TFLOP/s) and are converted once by :mod:`stage_dse.config.presets`.
+
+Efficiencies are fractions of a peak that well-tuned kernels reach; they are properties of the
+hardware and its software stack, shared by every model and GPU count (no per-workload fudge):
+
+* ``gemm_efficiency``: large bf16 GEMMs (cuBLAS) reach this fraction of peak; a GEMM whose
+  smallest dimension is ``gemm_half_dim`` runs at half of that (tile and wave quantization).
+* ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
+* ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
+* link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from stage_dse.errors import ConfigError
+from stage_dse.spec._validate import positive_int, positive_number
+
+__all__ = ["ClusterSpec", "HardwareSpec"]
+
+
+def _fraction(owner: str, field: str, value: object) -> None:
+    positive_number(owner, field, value)
+    if value > 1:  # type: ignore[operator]
+        raise ConfigError(f"{owner}.{field} must be in (0, 1], got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One GPU: peaks, memory, and the fractions of them real kernels reach."""
+
+    name: str
+    peak_flops: float
+    """Dense 16-bit (bf16/fp16) tensor-core peak, flop/s."""
+    hbm_bytes: float
+    """Device memory capacity, bytes."""
+    hbm_bandwidth_bytes_per_s: float
+    memory_reserve_bytes: float = 0.0
+    """Capacity not usable by the framework (CUDA context, allocator fragmentation), bytes."""
+    gemm_efficiency: float = 0.8
+    gemm_half_dim: float = 128.0
+    """Smallest GEMM dimension at which GEMM efficiency halves."""
+    attention_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    kernel_launch_s: float = 0.0
+    """Fixed cost added per kernel, seconds (launch gaps)."""
+
+    def __post_init__(self) -> None:
+        owner = "hardware"
+        for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "gemm_half_dim"):
+            positive_number(owner, f, getattr(self, f))
+        for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+            _fraction(owner, f, getattr(self, f))
+        for f in ("memory_reserve_bytes", "kernel_launch_s"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"{owner}.{f} must be a number >= 0, got {v!r}")
+        if self.memory_reserve_bytes >= self.hbm_bytes:
+            raise ConfigError(
+                f"hardware.memory_reserve_bytes({self.memory_reserve_bytes:.3g}) >= "
+                f"hbm_bytes({self.hbm_bytes:.3g})"
+            )
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hbm_bytes - self.memory_reserve_bytes
+
+    def replace(self, **changes: object) -> HardwareSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """GPUs grouped in scale-up domains (NVLink/NVSwitch nodes) joined by a scale-out network."""
+
+    name: str
+    num_gpus: int
+    gpus_per_node: int
+    """Size of one scale-up (NVLink) domain: 8 for DGX/HGX, 72 for an NVL72 rack."""
+    intra_bandwidth_bytes_per_s: float
+    """Scale-up bandwidth per GPU, one direction."""
+    inter_bandwidth_bytes_per_s: float
+    """Scale-out (NIC) bandwidth per GPU, one direction."""
+    intra_latency_s: float = 3e-6
+    """Per-step latency of a collective inside a domain."""
+    inter_latency_s: float = 10e-6
+    """Per-step latency of a collective across domains."""
+    intra_efficiency: float = 0.8
+    inter_efficiency: float = 0.9
+    pod_gpus: int = 0
+    """GPUs under one non-blocking fabric; 0 means the whole cluster is non-blocking."""
+    oversubscription: float = 1.0
+    """Bandwidth divisor for groups that span more than one pod."""
+
+    def __post_init__(self) -> None:
+        owner = "cluster"
+        positive_int(owner, "num_gpus", self.num_gpus)
+        positive_int(owner, "gpus_per_node", self.gpus_per_node)
+        for f in ("intra_bandwidth_bytes_per_s", "inter_bandwidth_bytes_per_s", "oversubscription"):
+            positive_number(owner, f, getattr(self, f))
+        for f in ("intra_latency_s", "inter_latency_s"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"{owner}.{f} must be a number >= 0, got {v!r}")
+        for f in ("intra_efficiency", "inter_efficiency"):
+            _fraction(owner, f, getattr(self, f))
+        if self.pod_gpus < 0:
+            raise ConfigError(f"cluster.pod_gpus must be >= 0, got {self.pod_gpus}")
+        if self.oversubscription < 1:
+            raise ConfigError(f"cluster.oversubscription must be >= 1, got {self.oversubscription}")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"cluster.gpus_per_node({self.gpus_per_node}) does not divide "
+                f"cluster.num_gpus({self.num_gpus})"
+            )
+
+    def replace(self, **changes: object) -> ClusterSpec:
+        return dataclasses.replace(self, **changes)

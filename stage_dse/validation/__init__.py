@@ -1,0 +1,1 @@
+"""Predictions against published measurements (data files beside this module cite sources)."""
