@@ -77,18 +77,27 @@ def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
     return sp.Add(*items) if items else sp.Integer(0)
 
 
+def _max(*args: sp.Expr) -> sp.Expr:
+    # unevaluated: sympy would otherwise try to order large expressions symbolically
+    return sp.Max(*args, evaluate=False)
+
+
+def _min(*args: sp.Expr) -> sp.Expr:
+    return sp.Min(*args, evaluate=False)
+
+
 def group_degree(group: Iterable[MeshAxis]) -> sp.Expr:
     return sp.Mul(*[DEGREE[m] for m in group])
 
 
 def _active(group: Iterable[MeshAxis]) -> sp.Expr:
     """1 when the group has more than one member, else 0: a one-rank collective moves nothing."""
-    return sp.Min(1, group_degree(group) - 1)
+    return _min(1, group_degree(group) - 1)
 
 
 def _is_one(x: sp.Expr) -> sp.Expr:
     """1 where the positive integer ``x`` is 1, else 0 (arithmetic, so it vectorizes)."""
-    return sp.Max(0, 2 - x)
+    return _max(0, 2 - x)
 
 
 # --------------------------------------------------------------------------- per section
@@ -372,7 +381,7 @@ def _derive(key: CostKey) -> TrainingCosts:
         per_stage * blk.weights_numel + head.weights_numel,
         per_stage * blk.model_parallel_numel + head.model_parallel_numel,
     )
-    inflight = sp.Min(pp, m)
+    inflight = _min(pp, m)
     if key.schedule is PipelineSchedule.INTERLEAVED:
         inflight = inflight * (1 + (pp - 1) / (pp * v))
     working = blk.recompute_working_bytes[mode]
@@ -387,7 +396,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     last_total = multi * _sum(last.values())
     first_is_worst = sp.Ge(first_total, last_total)
     memory = {k: sp.Piecewise((first[k], first_is_worst), (last[k], True)) for k in first}
-    memory["total"] = sp.Max(first_total, last_total)
+    memory["total"] = _max(first_total, last_total)
     memory["first_stage_total"] = first_total
     memory["last_stage_total"] = _sum(last.values())
 

@@ -1,0 +1,202 @@
+"""Columnar plan tables and their vectorized evaluation.
+
+A *plan table* is a pandas DataFrame with one row per configuration: the numeric symbol columns
+(:data:`stage_dse.cost.compile.SYMBOL_NAMES`, e.g. ``hidden``, ``tp``, ``peak_flops``), the
+structural columns (:data:`KEY_COLUMNS`, e.g. ``recompute``, ``zero_stage``) that select a
+compiled family, and any label columns (model name, hardware name, ...), which are carried
+along untouched. :func:`evaluate_table` groups rows by family and evaluates each group with one
+call of its compiled function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+
+from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
+from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
+from stage_dse.cost.derive import CostKey
+from stage_dse.graph.transformer import GraphKey
+from stage_dse.spec import (
+    AttentionKernel,
+    ClusterSpec,
+    HardwareSpec,
+    MeshAxis,
+    MlpKind,
+    ModelSpec,
+    NormKind,
+    ParallelPlan,
+    PipelineSchedule,
+    PositionKind,
+    Recompute,
+    TrainingSpec,
+    validate_plan,
+)
+
+__all__ = [
+    "KEY_COLUMNS",
+    "evaluate_table",
+    "key_from_values",
+    "model_columns",
+    "plan_row",
+    "plans_table",
+]
+
+MODEL_KEY_COLUMNS = ("norm", "mlp", "position", "tied_embeddings", "bias", "dropout")
+TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
+PLAN_KEY_COLUMNS = (
+    "sequence_parallel",
+    "attention",
+    "zero_stage",
+    "recompute",
+    "schedule",
+    "rank_order",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "tp_comm_overlap",
+)
+KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
+"""Columns whose values change the structure of the cost program."""
+
+CHUNK_ROWS = 1 << 17
+
+
+def key_from_values(v: dict) -> CostKey:
+    graph = GraphKey(
+        norm=NormKind(v["norm"]),
+        mlp=MlpKind(v["mlp"]),
+        position=PositionKind(v["position"]),
+        tied_embeddings=bool(v["tied_embeddings"]),
+        bias=bool(v["bias"]),
+        dropout=bool(v["dropout"]),
+        sequence_parallel=bool(v["sequence_parallel"]),
+        attention=AttentionKernel(v["attention"]),
+        zero_stage=int(v["zero_stage"]),
+        param_bytes=int(v["param_bytes"]),
+        grad_bytes=int(v["grad_bytes"]),
+        optimizer_bytes_per_param=int(v["optimizer_bytes_per_param"]),
+    )
+    return CostKey(
+        graph=graph,
+        recompute=Recompute(v["recompute"]),
+        schedule=PipelineSchedule(v["schedule"]),
+        rank_order=tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
+        overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
+        overlap_param_gather=bool(v["overlap_param_gather"]),
+        tp_comm_overlap=bool(v["tp_comm_overlap"]),
+    )
+
+
+def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]:
+    """Structural columns of a model and training step (and their labels)."""
+    return {
+        "model": model.name,
+        "norm": model.norm.value,
+        "mlp": model.mlp.value,
+        "position": model.position.value,
+        "tied_embeddings": model.tied_embeddings,
+        "bias": model.bias,
+        "dropout": model.dropout,
+        "param_bytes": training.params_dtype.bytes,
+        "grad_bytes": training.grads_dtype.bytes,
+        "optimizer_bytes_per_param": training.optimizer_bytes_per_param,
+    }
+
+
+def plan_row(
+    model: ModelSpec,
+    training: TrainingSpec,
+    plan: ParallelPlan,
+    hardware: HardwareSpec,
+    cluster: ClusterSpec,
+) -> dict[str, object]:
+    """Every column of one validated configuration."""
+    validate_plan(model, training, plan)
+    check_fits_cluster(plan, cluster)
+    row: dict[str, object] = {**model_columns(model, training), "hardware": hardware.name}
+    row["cluster"] = cluster.name
+    row.update(bind(model, training, plan))
+    row.update(bind_hardware(hardware, cluster))
+    row.update(
+        {
+            "num_gpus": plan.num_gpus,
+            "sequence_parallel": plan.sequence_parallel,
+            "attention": plan.attention.value,
+            "zero_stage": plan.zero_stage,
+            "recompute": plan.recompute.value,
+            "schedule": plan.schedule.value,
+            "rank_order": "-".join(a.value for a in plan.rank_order),
+            "overlap_grad_reduce": plan.overlap_grad_reduce,
+            "overlap_param_gather": plan.overlap_param_gather,
+            "tp_comm_overlap": plan.tp_comm_overlap,
+        }
+    )
+    return row
+
+
+def plans_table(
+    model: ModelSpec,
+    training: TrainingSpec,
+    plans: Iterable[ParallelPlan],
+    hardware: HardwareSpec,
+    cluster: ClusterSpec,
+) -> pd.DataFrame:
+    return pd.DataFrame([plan_row(model, training, p, hardware, cluster) for p in plans])
+
+
+def evaluate_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Every cost of every row, indexed like ``table`` (one compiled call per family/chunk).
+
+    Output columns are the union over the families present; a communication column a family
+    does not have (no such collective in its graph) is 0 bytes.
+    """
+    missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in table.columns]
+    if missing:
+        raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
+    if len(table) == 0:
+        return pd.DataFrame(index=table.index)
+    codes = np.zeros(len(table), dtype=np.int64)
+    factors: list[tuple[np.ndarray, list]] = []
+    for col in KEY_COLUMNS:
+        c, u = pd.factorize(table[col], sort=False)
+        codes = codes * max(len(u), 1) + c
+        factors.append((c, list(u)))
+    runs = np.flatnonzero(np.diff(codes)) + 1
+    if len(runs) + 1 == len(np.unique(codes)):
+        order = None  # rows of each family are already contiguous (enumeration emits them so)
+        starts = np.concatenate(([0], runs))
+        x_sorted = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)
+    else:
+        order = np.argsort(codes, kind="stable")
+        bounds = np.flatnonzero(np.diff(codes[order])) + 1
+        starts = np.concatenate(([0], bounds))
+        x_sorted = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)[order]
+    ends = np.concatenate((starts[1:], [len(table)]))
+    families = []
+    for a, b in zip(starts, ends):
+        row = a if order is None else order[a]
+        values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
+        families.append((compile_family(key_from_values(values)), a, b))
+    names: dict[str, int] = {}
+    for family, _, _ in families:
+        for n in family.names:
+            names.setdefault(n, len(names))
+    out_sorted = np.zeros((len(table), len(names)))  # absent comm columns stay 0 bytes
+    for family, a, b in families:
+        cols = np.fromiter((names[n] for n in family.names), dtype=np.intp)
+        contiguous = bool(np.all(np.diff(cols) == 1))
+        for lo in range(a, b, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, b)
+            y = family(x_sorted[lo:hi])
+            if contiguous:
+                out_sorted[lo:hi, cols[0] : cols[-1] + 1] = y
+            else:
+                out_sorted[lo:hi, cols] = y
+    if order is None:
+        out = out_sorted
+    else:
+        out = np.empty_like(out_sorted)
+        out[order] = out_sorted
+    return pd.DataFrame(out, columns=list(names), index=table.index, copy=False)

@@ -1,0 +1,147 @@
+"""``stage-dse-validate``: predictions against published measurements.
+
+Narayanan et al. SC21 Table 1 (achieved TFLOP/s per GPU of ten GPT models on up to 3072 A100s)
+and Korthikanti et al. MLSys 2023 Table 4 (one layer's forward/backward time of a 22B model).
+The published setup is modelled as it was run: A100 80 GB in DGX A100 nodes, materialized
+attention (2021 kernels), full recomputation, no sequence parallelism, Megatron-LM of 2021
+(data-parallel gradient all-reduce after the pipeline flush, not overlapped; no distributed
+optimizer). The paper does not print micro-batch sizes or interleaving depths; like its
+authors, we take the fastest plan that fits in memory over micro-batch in {1, 2, 4, 8} and
+model chunks per GPU in {1, 2, 3, 4, 6, 8}. The same hardware constants serve every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from importlib.resources import files
+
+import numpy as np
+import pandas as pd
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.table import evaluate_table, plan_row
+from stage_dse.errors import ConfigError
+from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
+
+__all__ = ["korthikanti_table4", "main", "narayanan_table1"]
+
+
+def _rows(name: str) -> list[dict[str, str]]:
+    text = files("stage_dse.validation").joinpath(name).read_text()
+    return list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+
+
+def narayanan_table1(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> pd.DataFrame:
+    hw = load_hardware(hardware)
+    rows = []
+    for ref in _rows("narayanan_table1.csv"):
+        model = load_model(ref["model"])
+        tp, pp, gpus = int(ref["tp"]), int(ref["pp"]), int(ref["gpus"])
+        cl = load_cluster(cluster, num_gpus=gpus)
+        training = TrainingSpec(seq_len=2048, global_batch_size=int(ref["global_batch"]))
+        chunks = (1,) if pp == 1 else (1, 2, 3, 4, 6, 8)
+        for b in (1, 2, 4, 8):
+            for v in chunks:
+                if (model.num_layers // pp) % v:
+                    continue
+                try:
+                    plan = ParallelPlan(
+                        dp=gpus // (tp * pp),
+                        tp=tp,
+                        pp=pp,
+                        micro_batch_size=b,
+                        recompute="full",
+                        attention="materialized",
+                        schedule="interleaved" if v > 1 else "1f1b",
+                        virtual_stages=v,
+                        overlap_grad_reduce=False,
+                        overlap_param_gather=False,
+                    )
+                    row = plan_row(model, training, plan, hw, cl)
+                except ConfigError:
+                    continue
+                row["published_tflops"] = float(ref["tflops_per_gpu"])
+                rows.append(row)
+    table = pd.DataFrame(rows)
+    res = table.join(evaluate_table(table))
+    res = res[res["mem_headroom_bytes"] >= 0]
+    best = res.loc[res.groupby("model", sort=False)["time_step_s"].idxmin()]
+    best = best.assign(predicted_tflops=best["time_achieved_flops_per_gpu"] / 1e12)
+    best = best.assign(err_pct=100 * (best["predicted_tflops"] / best["published_tflops"] - 1))
+    return best.reset_index(drop=True)
+
+
+def korthikanti_table4(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> pd.DataFrame:
+    model = ModelSpec(
+        name="gpt_22b",
+        num_layers=48,
+        hidden_size=6144,
+        ffn_hidden_size=4 * 6144,
+        num_heads=64,
+        vocab_size=51200,
+    )
+    hw, cl = load_hardware(hardware), load_cluster(cluster, num_gpus=8)
+    training = TrainingSpec(seq_len=2048, global_batch_size=4)
+    refs = _rows("korthikanti_table4.csv")
+    plans = [
+        ParallelPlan(
+            tp=8,
+            micro_batch_size=4,
+            sequence_parallel=r["sequence_parallel"] == "true",
+            recompute=r["recompute"],
+            attention="materialized",
+        )
+        for r in refs
+    ]
+    table = pd.DataFrame([plan_row(model, training, p, hw, cl) for p in plans])
+    res = evaluate_table(table)
+    out = pd.DataFrame(
+        {
+            "experiment": [r["experiment"] for r in refs],
+            "forward_ms": [float(r["forward_ms"]) for r in refs],
+            "predicted_forward_ms": res["time_layer_fwd_s"].to_numpy() * 1e3,
+            "backward_ms": [float(r["backward_ms"]) for r in refs],
+            "predicted_backward_ms": res["time_layer_bwd_s"].to_numpy() * 1e3,
+        }
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="stage-dse-validate",
+        description="Compare predictions with published measurements (Narayanan et al. SC21 "
+        "Table 1; Korthikanti et al. MLSys 2023 Table 4).",
+    )
+    parser.add_argument("--hardware", default="a100_80gb", help="hardware preset")
+    parser.add_argument("--cluster", default="dgx_a100", help="cluster preset")
+    args = parser.parse_args(argv)
+    try:
+        t4 = korthikanti_table4(args.hardware, args.cluster)
+        t1 = narayanan_table1(args.hardware, args.cluster)
+    except ConfigError as exc:
+        parser.exit(2, f"stage-dse-validate: {exc}\n")
+    print("Korthikanti et al. Table 4: one 22B layer, TP 8, micro-batch 4 (ms)")
+    for r in t4.itertuples():
+        print(
+            f"  {r.experiment:42s} fwd {r.predicted_forward_ms:5.1f} vs {r.forward_ms:5.1f} "
+            f"({100 * (r.predicted_forward_ms / r.forward_ms - 1):+5.1f}%)  "
+            f"bwd {r.predicted_backward_ms:5.1f} vs {r.backward_ms:5.1f} "
+            f"({100 * (r.predicted_backward_ms / r.backward_ms - 1):+5.1f}%)"
+        )
+    print("Narayanan et al. Table 1: achieved TFLOP/s per GPU (eq. 3 flops / step time)")
+    for r in t1.itertuples():
+        print(
+            f"  {r.model:11s} tp={r.tp:<2d} pp={r.pp:<2d} dp={r.dp:<3d} gpus={r.num_gpus:<5d} "
+            f"micro_batch={r.micro_batch:<2d} chunks={r.virtual_stages:<2d} "
+            f"predicted {r.predicted_tflops:6.1f} published {r.published_tflops:6.1f} "
+            f"err {r.err_pct:+5.1f}%  mfu {r.mfu:.3f}"
+        )
+    errs = np.abs(t1["err_pct"].to_numpy())
+    print(f"table1 mean_abs_err_pct={errs.mean():.2f} max_abs_err_pct={errs.max():.2f}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
