@@ -67,7 +67,7 @@ def narayanan_table1(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> 
     res = table.join(evaluate_table(table))
     res = res[res["mem_headroom_bytes"] >= 0]
     best = res.loc[res.groupby("model", sort=False)["time_step_s"].idxmin()]
-    best = best.assign(predicted_tflops=best["time_achieved_flops_per_gpu"] / 1e12)
+    best = best.assign(predicted_tflops=best["achieved_flops_per_gpu"] / 1e12)
     best = best.assign(err_pct=100 * (best["predicted_tflops"] / best["published_tflops"] - 1))
     return best.reset_index(drop=True)
 
