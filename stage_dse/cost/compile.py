@@ -12,20 +12,32 @@ without symengine, ``sympy.lambdify`` to numpy with the definitions evaluated in
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
+import platform
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import sympy as sp
 
 from stage_dse.cost.derive import CostKey, derive
 from stage_dse.cost.time import derive_time
-from stage_dse.graph.symbols import HARDWARE_SYMBOLS, Symbols
+from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import _build
 
-__all__ = ["SYMBOL_NAMES", "CompiledFamily", "compile_family", "family_program"]
+__all__ = [
+    "SYMBOL_NAMES",
+    "CompiledFamily",
+    "cache_dir",
+    "compile_family",
+    "family_digest",
+    "family_program",
+]
 
 SYMBOL_NAMES: tuple[str, ...] = tuple(Symbols.all())
 """Input columns of every compiled family, in order."""
@@ -69,18 +81,91 @@ def _backend() -> str:
     return "symengine"
 
 
-@lru_cache(maxsize=256)
-def compile_family(key: CostKey, backend: str | None = None) -> CompiledFamily:
+def cache_dir() -> Path:
+    """Where compiled families are cached: ``$STAGE_DSE_CACHE`` or ``~/.cache/stage_dse``."""
+    return Path(os.environ.get("STAGE_DSE_CACHE") or Path.home() / ".cache" / "stage_dse")
+
+
+@lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """Content hash of the code that derives and compiles costs (changes invalidate caches)."""
+    import stage_dse.cost as cost_pkg
+    import stage_dse.graph as graph_pkg
+
+    h = hashlib.sha256()
+    for pkg in (graph_pkg, cost_pkg):
+        for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def family_digest(key: CostKey, backend: str) -> str:
+    """Content hash of (family, code, package and compiler versions, machine)."""
+    from stage_dse import __version__
+
+    se_version = getattr(_se, "__version__", "none")
+    text = "|".join(
+        [repr(key), backend, __version__, _source_digest(), se_version, platform.machine()]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+MEMORY_PREFIXES = ("mem_", "params_")
+
+
+@lru_cache(maxsize=512)
+def compile_family(key: CostKey, backend: str | None = None, subset: str = "all") -> CompiledFamily:
+    """The compiled cost function of one family: from memory, from the disk cache, or built
+    (symbolic synthesis, then code generation) and stored in the disk cache.
+
+    ``subset="memory"`` compiles only parameter and memory outputs: the cheap feasibility check
+    run before a full evaluation.
+    """
     backend = backend or _backend()
+    tag = f"{backend}-{subset}"
+    path = cache_dir() / f"family-{family_digest(key, tag)}.pkl"
+    if backend == "symengine" and path.is_file():
+        try:
+            names, fn = pickle.loads(path.read_bytes())
+            return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
+        except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
+            path.unlink(missing_ok=True)
     defs, outputs = family_program(key)
+    if subset == "memory":
+        outputs = {n: e for n, e in outputs.items() if n.startswith(MEMORY_PREFIXES)}
+        defs = []
     names = tuple(outputs)
     exprs = [outputs[n] for n in names]
     if backend == "symengine":
-        return CompiledFamily(key, names, _compile_symengine(defs, exprs), backend)
+        fn = _lambdify_symengine(defs, exprs)
+        _store(path, (names, fn))
+        return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
     return CompiledFamily(key, names, _compile_numpy(defs, exprs), backend)
 
 
-def _compile_symengine(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr]):
+def _store(path: Path, obj: object) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as fh:
+            pickle.dump(obj, fh)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home still evaluates, just without the cache
+        pass
+
+
+def _wrap(f, n_out: int):
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float64)
+        if len(x) == 0:
+            return np.empty((0, n_out))
+        return np.asarray(f(x)).reshape(len(x), n_out)
+
+    return run
+
+
+def _lambdify_symengine(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr]):
     se = _se
     assert se is not None
     resolved: dict = {}
@@ -95,18 +180,9 @@ def _compile_symengine(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequenc
         outs.append(e.xreplace(resolved) if resolved else e)
     args = [se.Symbol(s.name) for s in _SYMBOLS]
     try:
-        f = se.Lambdify(args, outs, backend="llvm", cse=True, real=True)
+        return se.Lambdify(args, outs, backend="llvm", cse=True, real=True)
     except (RuntimeError, ValueError, TypeError):  # symengine built without LLVM
-        f = se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
-    n_out = len(outs)
-
-    def run(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float64)
-        if len(x) == 0:
-            return np.empty((0, n_out))
-        return np.asarray(f(x)).reshape(len(x), n_out)
-
-    return run
+        return se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
 
 
 def _compile_numpy(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr]):
@@ -128,6 +204,3 @@ def _compile_numpy(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp
         return out
 
     return run
-
-
-_ = HARDWARE_SYMBOLS

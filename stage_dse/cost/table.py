@@ -146,8 +146,10 @@ def plans_table(
     return pd.DataFrame([plan_row(model, training, p, hardware, cluster) for p in plans])
 
 
-def evaluate_table(table: pd.DataFrame) -> pd.DataFrame:
+def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
     """Every cost of every row, indexed like ``table`` (one compiled call per family/chunk).
+
+    ``subset="memory"`` evaluates only parameters and memory (``mem_headroom_bytes`` included).
 
     Output columns are the union over the families present; a communication column a family
     does not have (no such collective in its graph) is 0 bytes.
@@ -178,7 +180,7 @@ def evaluate_table(table: pd.DataFrame) -> pd.DataFrame:
     for a, b in zip(starts, ends):
         row = a if order is None else order[a]
         values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
-        families.append((compile_family(key_from_values(values)), a, b))
+        families.append((compile_family(key_from_values(values), None, subset), a, b))
     names: dict[str, int] = {}
     for family, _, _ in families:
         for n in family.names:

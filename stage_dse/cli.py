@@ -1,0 +1,147 @@
+"""Command-line entry points.
+
+``stage-dse`` is a Hydra app over ``conf/`` (and the experiments in ``sweeps/``): one job is one
+inner sweep, ``-m`` fans out over outer axes. The app composes the config, converts it to specs
+(:mod:`stage_dse.config.schema`), runs the sweep on the configured executor and prints a summary;
+bad input ends with a one-line message naming the field and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from stage_dse.config.presets import conf_dir
+from stage_dse.config.schema import register_schemas, to_sweep
+from stage_dse.errors import StageDseError
+
+__all__ = ["main", "run"]
+
+GIB = 2.0**30
+
+register_schemas()
+
+
+def _fmt_counter(c: Counter, indent: str = "  ") -> str:
+    return "\n".join(f"{indent}{n:>12,}  {reason}" for reason, n in c.most_common())
+
+
+def run(cfg: DictConfig) -> int:
+    """One Hydra job: the whole sweep; returns the number of rows evaluated."""
+    from stage_dse.results.store import ResultStore
+    from stage_dse.runner.executors import make_executor
+    from stage_dse.runner.sweep import run_grid, top_table
+
+    spec = to_sweep(cfg)
+    if cfg.search.kind not in ("grid", "optuna"):
+        raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
+    if cfg.runner.batch_size <= 0:
+        raise StageDseError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
+    store = ResultStore(Path(cfg.results_dir) / spec.name)
+    executor = make_executor(cfg.runner.kind, cfg.runner.address, cfg.runner.num_cpus)
+    try:
+        if cfg.search.kind == "optuna":
+            from stage_dse.search.optuna_search import run_optuna
+
+            report = run_optuna(spec, cfg.search, executor, store, progress=cfg.runner.progress)
+        else:
+            report = run_grid(
+                spec,
+                executor,
+                store,
+                batch_size=cfg.runner.batch_size,
+                progress=cfg.runner.progress,
+            )
+    finally:
+        executor.close()
+    df = store.read()
+    print(
+        f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,} "
+        f"in {report.seconds:.1f} s)"
+    )
+    if report.status:
+        print("outcomes of this run:")
+        print(_fmt_counter(report.status))
+    if report.rejected:
+        print("plans rejected before evaluation, by rule:")
+        print(_fmt_counter(report.rejected))
+    if report.trial_states:
+        print("optuna trials by state:")
+        print(_fmt_counter(report.trial_states))
+    rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
+    top = top_table(df, cfg.top_k, by=rank_by)
+    label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
+    print(f"\ntop {len(top)} {label} feasible plans:")
+    print(top.to_string(index=False) if len(top) else "  none fits")
+    if cfg.mode == "budget":
+        miss = df[df["status"] == "infeasible"].copy()
+        if len(miss):
+            miss["short_gib"] = -miss["mem_headroom_bytes"] / GIB
+            miss = miss.sort_values(["short_gib", "step_s"]).head(5)
+            print("\nclosest plans that do not fit:")
+            for r in miss.itertuples():
+                print(
+                    f"  gpus={r.num_gpus} dp={r.dp} tp={r.tp} pp={r.pp} cp={r.cp} "
+                    f"mbs={r.micro_batch} zero={r.zero_stage} recompute={r.recompute}: "
+                    f"needs {r.mem_total_bytes / GIB:.1f} GiB, misses by {r.short_gib:.2f} GiB "
+                    f"({-r.mem_headroom_bytes:,.0f} bytes)"
+                )
+    return report.evaluated
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except StageDseError as exc:
+        print(f"stage-dse: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def precheck(overrides: list[str]) -> str | None:
+    """Compose the config once to turn Hydra's multi-line composition errors (unknown preset,
+    value of the wrong type) into one line naming the override; None when it composes."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        text = " ".join(str(exc).split())
+        if "Could not find" in text and "Available options" in text:
+            head, _, opts = text.partition("Available options in")
+            group, _, names = opts.partition(":")
+            names = ", ".join(
+                n for n in names.split("Config search path")[0].split() if not n.endswith("_schema")
+            )
+            return f"{head.split(': ', 1)[-1].strip()}; valid {group.strip(chr(39) + ' ')}: {names}"
+        cause = exc.__cause__
+        if cause is not None:
+            text = f"{text}: {str(cause).splitlines()[0]}"
+        return text.split(" full_key:")[0]
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def main() -> None:
+    """Console script ``stage-dse``."""
+    args = sys.argv[1:]
+    if not any(a.startswith("-") for a in args):  # a plain run: check overrides first
+        message = precheck(args)
+        if message:
+            print(f"stage-dse: error: {message}", file=sys.stderr)
+            sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,286 @@
+"""Structured-config schemas registered in Hydra's ConfigStore, and their conversion to specs.
+
+This module is the only place that sees a ``DictConfig``. The YAML files under ``conf/`` (and
+the experiments under ``sweeps/``) are validated against these dataclasses by Hydra (types),
+then :func:`to_sweep` turns the composed config into domain specs (values and relations),
+raising :class:`stage_dse.errors.ConfigError` with the field name on bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from stage_dse.config.presets import cluster_from_dict, hardware_from_dict
+from stage_dse.errors import ConfigError
+from stage_dse.search.space import SearchSpace
+from stage_dse.spec import ModelSpec, TrainingSpec
+
+__all__ = ["Config", "register_schemas", "to_search_space", "to_sweep"]
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_heads: int = MISSING
+    vocab_size: int = MISSING
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    position: str = "learned"
+    max_positions: int = 0
+    tied_embeddings: bool = True
+    bias: bool = True
+    dropout: bool = True
+
+
+@dataclass
+class HardwareConf:
+    name: str = MISSING
+    peak_bf16_tflops: float = MISSING
+    hbm_gib: float = MISSING
+    hbm_tb_s: float = MISSING
+    memory_reserve_gib: float = 2.0
+    gemm_efficiency: float = 0.75
+    gemm_half_dim: float = 128.0
+    attention_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    kernel_launch_us: float = 0.0
+
+
+@dataclass
+class ClusterConf:
+    name: str = MISSING
+    num_gpus: int = MISSING
+    gpus_per_node: int = MISSING
+    intra_gb_s: float = MISSING
+    inter_gbit_s: float = MISSING
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 10.0
+    intra_efficiency: float = 0.8
+    inter_efficiency: float = 0.9
+    pod_gpus: int = 0
+    oversubscription: float = 1.0
+
+
+@dataclass
+class TrainingConf:
+    seq_len: int = 4096
+    global_batch_size: int = 256
+    params_dtype: str = "bf16"
+    grads_dtype: str = "bf16"
+    master_dtype: str = "fp32"
+    optimizer: str = "adam"
+    optimizer_state_dtype: str = "fp32"
+
+
+@dataclass
+class PlanConf:
+    """Search space over plans; degrees take a list or ``auto`` (every divisor)."""
+
+    tp: Any = "auto"
+    pp: Any = "auto"
+    cp: Any = field(default_factory=lambda: [1])
+    micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
+    attention: list[str] = field(default_factory=lambda: ["flash"])
+    virtual_stages: list[int] = field(default_factory=lambda: [1])
+    rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+
+
+@dataclass
+class SearchConf:
+    kind: str = "grid"
+    """grid: every valid plan; optuna: sample the space (see the optuna preset)."""
+    n_trials: int = 1000
+    batch_size: int = 256
+    sampler: str = "tpe"
+    objectives: list[str] = field(default_factory=lambda: ["step_s"])
+    seed: int = 0
+    gpus: list[int] = field(default_factory=list)
+    """Optuna: GPU counts to choose from (default: num_gpus)."""
+    hardware: list[str] = field(default_factory=list)
+    """Optuna: hardware presets to choose from (default: the hardware group)."""
+    hbm_gib: list[float] = field(default_factory=list)
+    """Optuna co-design axis: HBM capacity per GPU (empty: the hardware's)."""
+    inter_gbit_s: list[float] = field(default_factory=list)
+    """Optuna co-design axis: scale-out bandwidth per GPU (empty: the cluster's)."""
+
+
+@dataclass
+class RunnerConf:
+    kind: str = "ray"
+    address: str | None = None
+    """None: start an embedded local Ray; "auto" or "ray://host:port": join a cluster."""
+    num_cpus: int | None = None
+    batch_size: int = 20000
+    progress: bool = True
+
+
+@dataclass
+class BudgetConf:
+    memory_gib: float | None = None
+    max_gpus: int | None = None
+    rank_by: str = "step_s"
+    """step_s (fastest) or gpu_seconds (cheapest: GPUs x step time)."""
+
+
+@dataclass
+class Config:
+    model: ModelConf = MISSING
+    hardware: HardwareConf = MISSING
+    cluster: ClusterConf = MISSING
+    training: TrainingConf = field(default_factory=TrainingConf)
+    plan: PlanConf = field(default_factory=PlanConf)
+    search: SearchConf = field(default_factory=SearchConf)
+    runner: RunnerConf = field(default_factory=RunnerConf)
+    budget: BudgetConf = field(default_factory=BudgetConf)
+    sweep_name: str = "default"
+    results_dir: str = "results"
+    num_gpus: list[int] = field(default_factory=lambda: [64])
+    top_k: int = 10
+    mode: str = "sweep"
+    """sweep: evaluate and rank; budget: cheapest/fastest plans within budget.* limits."""
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="stage_dse_schema", node=Config)
+    for group, node in (
+        ("model", ModelConf),
+        ("hardware", HardwareConf),
+        ("cluster", ClusterConf),
+        ("training", TrainingConf),
+        ("plan", PlanConf),
+        ("search", SearchConf),
+        ("runner", RunnerConf),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _spec(kind: str, factory, data: dict) -> Any:
+    try:
+        return factory(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{kind}: {exc}") from None
+
+
+def to_search_space(plan: dict) -> SearchSpace:
+    data = dict(plan)
+    for name in ("tp", "pp", "cp"):
+        v = data[name]
+        if isinstance(v, int) and not isinstance(v, bool):
+            data[name] = [v]
+        elif isinstance(v, str) and v != "auto":
+            raise ConfigError(f"plan.{name}={v!r}: give an integer, a list of integers or 'auto'")
+    for name in (
+        "micro_batch_size",
+        "zero_stage",
+        "recompute",
+        "sequence_parallel",
+        "attention",
+        "virtual_stages",
+        "rank_order",
+    ):
+        v = data[name]
+        if not isinstance(v, list | tuple):
+            data[name] = [v]
+    return _spec("plan", SearchSpace, data)
+
+
+def to_sweep(cfg: DictConfig):
+    """The domain objects of one Hydra job: (SweepSpec, model-level plan checks done)."""
+    from stage_dse.runner.sweep import SweepSpec
+
+    c = _plain(cfg)
+    model = _spec("model", ModelSpec, c["model"])
+    training = _spec("training", TrainingSpec, c["training"])
+    hardware = hardware_from_dict(c["hardware"])
+    num_gpus = c["num_gpus"]
+    if isinstance(num_gpus, int):
+        num_gpus = [num_gpus]
+    space = to_search_space(c["plan"])
+    check_explicit_degrees(space, model, training)
+    cluster_data = dict(c["cluster"])
+    cluster_data["num_gpus"] = (
+        max(num_gpus) if num_gpus and min(num_gpus) > 0 else cluster_data["num_gpus"]
+    )
+    for n in num_gpus:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
+    cluster = cluster_from_dict(cluster_data)
+    budget = c["budget"]
+    mem = budget.get("memory_gib")
+    if c["mode"] not in ("sweep", "budget"):
+        raise ConfigError(f"mode={c['mode']!r} is not one of: sweep, budget")
+    if c["mode"] == "budget":
+        if budget.get("max_gpus") is not None:
+            if budget["max_gpus"] <= 0:
+                raise ConfigError(f"budget.max_gpus must be > 0, got {budget['max_gpus']}")
+            num_gpus = budget_gpu_counts(budget["max_gpus"], cluster.gpus_per_node)
+            cluster = cluster.replace(num_gpus=max(num_gpus))
+        if budget.get("rank_by") not in ("step_s", "gpu_seconds"):
+            raise ConfigError(
+                f"budget.rank_by={budget.get('rank_by')!r} is not one of: step_s, gpu_seconds"
+            )
+    spec = SweepSpec(
+        name=c["sweep_name"],
+        models=(model,),
+        training=training,
+        hardware=(hardware,),
+        cluster=cluster,
+        gpu_counts=tuple(num_gpus),
+        space=space,
+        memory_limit_bytes=None if mem is None else float(mem) * 2.0**30,
+    )
+    return spec
+
+
+def budget_gpu_counts(max_gpus: int, gpus_per_node: int) -> list[int]:
+    """Powers of two up to one node, then multiples of a node doubling up to ``max_gpus``."""
+    counts, n = [], 1
+    while n <= max_gpus:
+        if n <= gpus_per_node or n % gpus_per_node == 0:
+            counts.append(n)
+        n *= 2
+    if max_gpus not in counts and (max_gpus <= gpus_per_node or max_gpus % gpus_per_node == 0):
+        counts.append(max_gpus)
+    return counts
+
+
+def check_explicit_degrees(space: SearchSpace, model: ModelSpec, training: TrainingSpec) -> None:
+    """Explicitly listed degrees must suit the model (``auto`` filters silently)."""
+    if not isinstance(space.tp, str):
+        for tp in space.tp:
+            for what, n in (
+                ("heads", model.num_heads),
+                ("kv_heads", model.num_kv_heads),
+                ("ffn_hidden_size", model.ffn_hidden_size),
+                ("vocab", model.vocab_size),
+            ):
+                if n % tp:
+                    raise ConfigError(f"plan.tp={tp}: tp({tp}) does not divide {what}({n})")
+    if not isinstance(space.pp, str):
+        for pp in space.pp:
+            if pp > model.num_layers:
+                raise ConfigError(f"plan.pp={pp}: pp({pp}) > layers({model.num_layers})")
+    if not isinstance(space.cp, str):
+        for cp in space.cp:
+            if training.seq_len % cp:
+                raise ConfigError(f"plan.cp={cp}: cp({cp}) does not divide seq({training.seq_len})")

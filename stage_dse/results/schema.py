@@ -1,0 +1,149 @@
+"""The one definition of a result row: its columns, types, and how cost outputs map to them.
+
+Every evaluated configuration becomes one flat row: configuration columns, a stable config
+hash, an outcome (``ok``, ``infeasible``, ``invalid``, ``error``) with a reason, and the cost
+columns with their units in their names. Communication is summed two ways, by collective kind
+and by the parallel axis the group serves, so the schema is fixed whatever the plan family.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+
+from stage_dse.cost.compile import SYMBOL_NAMES
+from stage_dse.cost.table import KEY_COLUMNS
+
+__all__ = [
+    "CONFIG_COLUMNS",
+    "LABEL_COLUMNS",
+    "RESULT_SCHEMA",
+    "STATUS",
+    "config_hash",
+    "cost_columns",
+    "empty_results",
+]
+
+STATUS = ("ok", "infeasible", "invalid", "error")
+LABEL_COLUMNS = ("model", "hardware", "cluster", "num_gpus")
+INT_CONFIG = {
+    "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
+    "positions", "global_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
+    "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
+}  # fmt: skip
+BOOL_CONFIG = {
+    "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
+    "overlap_param_gather", "tp_comm_overlap",
+}  # fmt: skip
+CONFIG_COLUMNS: tuple[str, ...] = tuple(
+    dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS))
+)
+"""Everything that identifies a configuration (hashed into ``config_hash``)."""
+
+# cost output name -> result column
+COST_COLUMNS: dict[str, str] = {
+    "params_total": "params",
+    "mem_weights": "mem_weights_bytes",
+    "mem_grads": "mem_grads_bytes",
+    "mem_optimizer": "mem_optimizer_bytes",
+    "mem_activations": "mem_activations_bytes",
+    "mem_recompute_working": "mem_recompute_working_bytes",
+    "mem_total": "mem_total_bytes",
+    "mem_headroom_bytes": "mem_headroom_bytes",
+    "flops_model": "model_flops",
+    "flops_matmul": "matmul_flops",
+    "flops_recompute": "recompute_flops",
+    "flops_hardware": "hardware_flops",
+    "time_step_s": "step_s",
+    "time_compute_s": "compute_s",
+    "time_tp_comm_s": "tp_comm_s",
+    "time_cp_comm_s": "cp_comm_s",
+    "time_zero_comm_s": "zero_comm_s",
+    "time_pp_comm_s": "pp_comm_s",
+    "time_bubble_s": "bubble_s",
+    "time_dp_comm_s": "dp_comm_s",
+    "time_optimizer_s": "optimizer_s",
+    "tokens_per_s": "tokens_per_s",
+    "mfu": "mfu",
+    "hfu": "hfu",
+    "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
+}
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COMM_AXES = ("tp", "cp", "ep", "dp", "pp")
+COMM_COLUMNS = (
+    *(f"comm_{k}_bytes" for k in COMM_KINDS),
+    *(f"comm_{a}_bytes" for a in COMM_AXES),
+    "comm_total_bytes",
+)
+
+_fields = [pa.field(c, pa.string()) for c in ("config_hash", "sweep", "status", "reason")]
+for c in CONFIG_COLUMNS:
+    if c in INT_CONFIG:
+        t = pa.int64()
+    elif c in BOOL_CONFIG:
+        t = pa.bool_()
+    elif c in ("model", "hardware", "cluster", "norm", "mlp", "position", "attention",
+               "recompute", "schedule", "rank_order"):  # fmt: skip
+        t = pa.string()
+    else:
+        t = pa.float64()
+    _fields.append(pa.field(c, t))
+_fields += [pa.field(c, pa.float64()) for c in COST_COLUMNS.values()]
+_fields += [pa.field(c, pa.float64()) for c in COMM_COLUMNS]
+_fields += [pa.field("package_version", pa.string()), pa.field("trace_dir", pa.string())]
+RESULT_SCHEMA = pa.schema(_fields)
+"""Arrow schema of every part file of a results dataset."""
+
+
+def _axis_of(group_label: str) -> str:
+    """The parallel axis a communicator group serves: data groups (dp, cp-dp) count as dp."""
+    parts = group_label.split("-")
+    if "dp" in parts:
+        return "dp"
+    if "ep" in parts:
+        return "ep"
+    if "pp" in parts:
+        return "pp"
+    if "tp" in parts:
+        return "tp"
+    return parts[0]
+
+
+def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
+    """Result cost columns from the evaluator's output columns."""
+    out = pd.DataFrame(index=costs.index)
+    for src, dst in COST_COLUMNS.items():
+        out[dst] = costs[src] if src in costs else float("nan")
+    for c in COMM_COLUMNS:
+        out[c] = 0.0
+    for col in costs.columns:
+        if not col.startswith("comm_") or col == "comm_total":
+            continue
+        body = col[len("comm_") :]
+        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
+        group = body[len(kind) + 1 :]
+        out[f"comm_{kind}_bytes"] += costs[col]
+        out[f"comm_{_axis_of(group)}_bytes"] += costs[col]
+    out["comm_total_bytes"] = costs.get("comm_total", 0.0)
+    return out
+
+
+def config_hash(table: pd.DataFrame) -> pd.Series:
+    """A stable 16-hex-digit hash of each row's configuration columns (vectorized)."""
+    canon = pd.DataFrame(index=table.index)
+    for c in CONFIG_COLUMNS:
+        col = table[c]
+        if c in INT_CONFIG:
+            canon[c] = col.astype("int64")
+        elif c in BOOL_CONFIG:
+            canon[c] = col.astype("bool")
+        elif RESULT_SCHEMA.field(c).type == pa.string():
+            canon[c] = col.astype(str).astype(object)
+        else:
+            canon[c] = col.astype("float64")
+    h = pd.util.hash_pandas_object(canon, index=False, categorize=False).to_numpy()
+    return pd.Series([f"{int(x):016x}" for x in h], index=table.index, dtype=str)
+
+
+def empty_results() -> pd.DataFrame:
+    return RESULT_SCHEMA.empty_table().to_pandas()

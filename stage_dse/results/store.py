@@ -1,0 +1,75 @@
+"""The results dataset on disk: atomic Parquet part files under ``results/<sweep>/``.
+
+Only the sweep driver writes. A part file is written to a temporary name in the same folder
+and renamed into place, so a killed process leaves either a whole part or none (the temporary
+is ignored by readers and removed on the next start). Rows are identified by ``config_hash``;
+a rerun reads the hashes already present and evaluates only the others.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from stage_dse.results.schema import RESULT_SCHEMA
+
+__all__ = ["ResultStore"]
+
+PART_GLOB = "part-*.parquet"
+
+
+class ResultStore:
+    """One sweep's dataset folder."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for tmp in self.root.glob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+
+    def parts(self) -> list[Path]:
+        return sorted(self.root.glob(PART_GLOB)) if self.root.is_dir() else []
+
+    def write(self, rows: pd.DataFrame) -> Path | None:
+        """Write one part file atomically; returns its path (None for no rows)."""
+        if len(rows) == 0:
+            return None
+        table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
+        name = f"part-{uuid.uuid4().hex}.parquet"
+        tmp = self.root / f".tmp-{name}"
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.root / name)
+        return self.root / name
+
+    def replace_parts(self, old: Iterable[Path], rows: pd.DataFrame) -> None:
+        """Swap part files for one new part holding ``rows`` (new first, then old removed)."""
+        self.write(rows)
+        for p in old:
+            Path(p).unlink(missing_ok=True)
+
+    def hashes(self) -> set[str]:
+        parts = self.parts()
+        if not parts:
+            return set()
+        table = ds.dataset([str(p) for p in parts], format="parquet").to_table(
+            columns=["config_hash"]
+        )
+        return set(table.column("config_hash").to_pylist())
+
+    def read(self, columns: list[str] | None = None, filters=None) -> pd.DataFrame:
+        parts = self.parts()
+        if not parts:
+            return RESULT_SCHEMA.empty_table().to_pandas()
+        dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
+        return dataset.to_table(columns=columns, filter=filters).to_pandas()

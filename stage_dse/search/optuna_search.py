@@ -1,0 +1,283 @@
+"""Optuna search for spaces too large to enumerate (GPU counts x plans x hardware co-design).
+
+Optuna is driven directly with ask/tell in batches (not through Hydra's sweeper plugin): a
+batch of trials is asked, turned into plans, screened with the cheap compiled memory
+expressions, and only the plans that fit are evaluated in full (one executor task per batch).
+Trials whose plan does not fit are told ``PRUNED`` (reason in the trial's user attributes and
+in the result row); plans that break a divisibility rule are told ``FAIL``. The study lives in
+an Optuna journal file beside the sweep's results, so a rerun resumes it and
+``optuna-dashboard results/<sweep>/optuna.journal`` can open it. Several objectives (e.g.
+``[step_s, num_gpus, mem_total_bytes]``) make it a multi-objective study (NSGA-II).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import optuna
+import pandas as pd
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from stage_dse.config.presets import load_hardware
+from stage_dse.cost.table import evaluate_table, plan_row
+from stage_dse.errors import ConfigError
+from stage_dse.results.schema import config_hash
+from stage_dse.results.store import ResultStore
+from stage_dse.runner.evaluate import error_rows, finalize_rows, invalid_rows
+from stage_dse.runner.executors import Executor
+from stage_dse.runner.sweep import SweepReport, SweepSpec
+from stage_dse.spec import ParallelPlan
+
+__all__ = ["OBJECTIVES", "run_optuna"]
+
+OBJECTIVES = ("step_s", "gpu_seconds", "num_gpus", "mem_total_bytes")
+GIB = 2.0**30
+
+
+def _objective_values(row: pd.Series, objectives: list[str]) -> list[float]:
+    out = []
+    for name in objectives:
+        if name == "gpu_seconds":
+            out.append(float(row["step_s"]) * float(row["num_gpus"]))
+        else:
+            out.append(float(row[name]))
+    return out
+
+
+def _sampler(kind: str, seed: int, n_obj: int) -> optuna.samplers.BaseSampler:
+    if kind == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    if kind == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ConfigError(f"search.sampler={kind!r} is not one of: tpe, nsga2, random")
+
+
+def run_optuna(
+    spec: SweepSpec,
+    search: Any,
+    executor: Executor,
+    store: ResultStore,
+    progress: bool = True,
+    log=print,
+) -> SweepReport:
+    t0 = time.perf_counter()
+    objectives = list(search.objectives)
+    for name in objectives:
+        if name not in OBJECTIVES:
+            raise ConfigError(f"search.objectives: {name!r} is not one of: {', '.join(OBJECTIVES)}")
+    if search.n_trials <= 0 or search.batch_size <= 0:
+        raise ConfigError("search.n_trials and search.batch_size must be > 0")
+    model = spec.models[0]
+    hardware = {hw.name: hw for hw in spec.hardware}
+    for name in search.hardware:
+        hardware[name] = load_hardware(name)
+    gpus = sorted(set(search.gpus or spec.gpu_counts))
+    cluster0 = spec.cluster
+    space = spec.space
+    top = max(gpus)
+
+    def choices(name: str, limit: int | None = None) -> list[int]:
+        values = space.degrees(name, top)
+        return [v for v in values if limit is None or v <= limit]
+
+    axes: dict[str, list] = {
+        "num_gpus": gpus,
+        "hardware": sorted(hardware),
+        "tp": choices("tp", model.num_heads),
+        "pp": choices("pp", model.num_layers),
+        "cp": choices("cp"),
+        "micro_batch_size": sorted(set(space.micro_batch_size)),
+        "zero_stage": sorted(set(space.zero_stage)),
+        "recompute": list(space.recompute),
+        "sequence_parallel": list(space.sequence_parallel),
+        "attention": list(space.attention),
+        "virtual_stages": sorted(set(space.virtual_stages)),
+        "rank_order": list(space.rank_order),
+    }
+    if search.hbm_gib:
+        axes["hbm_gib"] = sorted(float(x) for x in search.hbm_gib)
+    if search.inter_gbit_s:
+        axes["inter_gbit_s"] = sorted(float(x) for x in search.inter_gbit_s)
+
+    store.prepare()
+    storage = JournalStorage(JournalFileBackend(str(store.root / "optuna.journal")))
+    directions = ["minimize"] * len(objectives)
+    sampler_kind = search.sampler if len(objectives) == 1 else "nsga2"
+    study = optuna.create_study(
+        storage=storage,
+        study_name=spec.name,
+        sampler=_sampler(sampler_kind, int(search.seed), len(objectives)),
+        directions=directions,
+        load_if_exists=True,
+    )
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    existing = len(study.trials)
+    remaining = max(0, int(search.n_trials) - existing)
+    log(
+        f"sweep {spec.name}: optuna {sampler_kind} over {', '.join(axes)}; objectives "
+        f"{objectives}; {existing} trials in {store.root / 'optuna.journal'}, asking {remaining}"
+    )
+    report = SweepReport(name=spec.name)
+    done = store.hashes()
+    states: Counter = Counter()
+    while remaining > 0:
+        k = min(int(search.batch_size), remaining)
+        remaining -= k
+        trials = [study.ask() for _ in range(k)]
+        valid_rows, valid_trials, bad_rows, bad_reasons = [], [], [], []
+        for trial in trials:
+            p = {name: trial.suggest_categorical(name, values) for name, values in axes.items()}
+            hw = hardware[p["hardware"]]
+            if "hbm_gib" in p:
+                hw = hw.replace(hbm_bytes=p["hbm_gib"] * GIB, name=f"{hw.name}@{p['hbm_gib']:g}GiB")
+            cluster = cluster0.replace(num_gpus=p["num_gpus"])
+            if "inter_gbit_s" in p:
+                cluster = cluster.replace(inter_bandwidth_bytes_per_s=p["inter_gbit_s"] * 1e9 / 8)
+            mp = p["tp"] * p["pp"] * p["cp"]
+            try:
+                if p["num_gpus"] % mp:
+                    raise ConfigError(f"tp*pp*cp({mp}) does not divide num_gpus({p['num_gpus']})")
+                v = p["virtual_stages"]
+                plan = ParallelPlan(
+                    dp=p["num_gpus"] // mp,
+                    tp=p["tp"],
+                    pp=p["pp"],
+                    cp=p["cp"],
+                    micro_batch_size=p["micro_batch_size"],
+                    zero_stage=p["zero_stage"],
+                    recompute=p["recompute"],
+                    sequence_parallel=p["sequence_parallel"],
+                    attention=p["attention"],
+                    schedule="interleaved" if v > 1 else "1f1b",
+                    virtual_stages=v,
+                    rank_order=p["rank_order"],
+                    overlap_grad_reduce=space.overlap_grad_reduce,
+                    overlap_param_gather=space.overlap_param_gather,
+                    tp_comm_overlap=space.tp_comm_overlap,
+                )
+                row = plan_row(model, spec.training, plan, hw, cluster)
+            except ConfigError as exc:
+                trial.set_user_attr("reason", str(exc))
+                study.tell(trial, state=TrialState.FAIL)
+                states["fail (invalid plan)"] += 1
+                bad_rows.append(_invalid_config(model, spec, hw, cluster, p))
+                bad_reasons.append(str(exc))
+                continue
+            if spec.memory_limit_bytes is not None:
+                row["usable_memory"] = spec.memory_limit_bytes
+            valid_rows.append(row)
+            valid_trials.append(trial)
+        written = []
+        if bad_rows:
+            cfg = pd.DataFrame(bad_rows)
+            written.append(invalid_rows(cfg, bad_reasons, spec.name))
+        if valid_rows:
+            table = pd.DataFrame(valid_rows)
+            table["config_hash"] = config_hash(table).to_numpy()
+            mem = evaluate_table(table, subset="memory")
+            fits = (mem["mem_headroom_bytes"] >= 0).to_numpy()
+            # infeasible: told PRUNED, never fully evaluated
+            for i in np.flatnonzero(~fits):
+                need = mem["mem_total"].iat[i] / GIB
+                have = table["usable_memory"].iat[i] / GIB
+                reason = (
+                    f"needs {need:.1f} GiB > usable {have:.1f} GiB (short {need - have:.1f} GiB)"
+                )
+                valid_trials[i].set_user_attr("reason", reason)
+                study.tell(valid_trials[i], state=TrialState.PRUNED)
+                states["pruned (does not fit in memory)"] += 1
+            if (~fits).any():
+                rows = finalize_rows(table[~fits], mem[~fits], spec.name)
+                rows["status"] = "infeasible"
+                need = mem["mem_total"].to_numpy()[~fits] / GIB
+                have = table["usable_memory"].to_numpy()[~fits] / GIB
+                rows["reason"] = [
+                    f"needs {n:.1f} GiB > usable {h:.1f} GiB (short {n - h:.1f} GiB)"
+                    for n, h in zip(need, have)
+                ]
+                written.append(rows)
+            if fits.any():
+                batch = table[fits].reset_index(drop=True)
+                fit_trials = [t for t, f in zip(valid_trials, fits) if f]
+                ((_, result),) = list(executor.map([(0, batch)], spec.name))
+                if isinstance(result, BaseException):
+                    msg = f"{type(result).__name__}: {result}"
+                    for t in fit_trials:
+                        t.set_user_attr("reason", msg)
+                        study.tell(t, state=TrialState.FAIL)
+                        states["fail (error)"] += 1
+                    written.append(error_rows(batch, msg, spec.name))
+                else:
+                    for t, (_, r) in zip(fit_trials, result.iterrows()):
+                        study.tell(t, _objective_values(r, objectives))
+                        states["complete"] += 1
+                    written.append(result)
+        if written:
+            rows = pd.concat(written, ignore_index=True)
+            rows = rows.drop_duplicates("config_hash")
+            rows = rows[~rows["config_hash"].isin(done)]
+            done.update(rows["config_hash"])
+            store.write(rows)
+            report.evaluated += len(rows)
+            report.status.update(rows["status"].value_counts().to_dict())
+        if progress:
+            log(
+                f"  trials {len(study.trials)}: " + ", ".join(f"{k} {v}" for k, v in states.items())
+            )
+    report.trial_states = states
+    report.seconds = time.perf_counter() - t0
+    report.valid = report.evaluated
+    return report
+
+
+def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
+    """Configuration columns of a plan that failed validation (recorded as an invalid row)."""
+    from stage_dse.cost.bind import bind_hardware
+    from stage_dse.cost.table import model_columns
+
+    mp = p["tp"] * p["pp"] * p["cp"]
+    row: dict = {
+        **model_columns(model, spec.training),
+        "hardware": hw.name,
+        "cluster": cluster.name,
+    }
+    row.update(
+        {
+            "num_gpus": p["num_gpus"],
+            "micro_batch": p["micro_batch_size"],
+            "seq": spec.training.seq_len,
+            "hidden": model.hidden_size,
+            "ffn": model.ffn_hidden_size,
+            "heads": model.num_heads,
+            "kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "vocab": model.vocab_size,
+            "layers": model.num_layers,
+            "positions": model.max_positions or spec.training.seq_len,
+            "global_batch": spec.training.global_batch_size,
+            "dp": p["num_gpus"] // mp if p["num_gpus"] % mp == 0 else 0,
+            "tp": p["tp"],
+            "pp": p["pp"],
+            "cp": p["cp"],
+            "ep": 1,
+            "virtual_stages": p["virtual_stages"],
+            **bind_hardware(hw, cluster),
+            "sequence_parallel": p["sequence_parallel"],
+            "attention": p["attention"],
+            "zero_stage": p["zero_stage"],
+            "recompute": p["recompute"],
+            "schedule": "interleaved" if p["virtual_stages"] > 1 else "1f1b",
+            "rank_order": p["rank_order"],
+            "overlap_grad_reduce": spec.space.overlap_grad_reduce,
+            "overlap_param_gather": spec.space.overlap_param_gather,
+            "tp_comm_overlap": spec.space.tp_comm_overlap,
+        }
+    )
+    return row
