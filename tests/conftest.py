@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import sympy as sp
@@ -11,6 +12,8 @@ from stage_dse.graph.symbols import S
 from stage_dse.spec import ModelSpec, TrainingSpec
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# compiled families go to a cache private to this test session (exercises the compile path)
+os.environ["STAGE_DSE_CACHE"] = tempfile.mkdtemp(prefix="stage_dse_cache_")
 
 # GPT of Narayanan et al.: ffn = 4h, head_dim = h / a, MHA, learned positions of length s
 GPT_SUBS = {

@@ -8,6 +8,9 @@ and by the parallel axis the group serves, so the schema is fixed whatever the p
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -76,21 +79,32 @@ COMM_COLUMNS = (
     "comm_total_bytes",
 )
 
-_fields = [pa.field(c, pa.string()) for c in ("config_hash", "sweep", "status", "reason")]
+STRING_CONFIG = {
+    "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
+    "schedule", "rank_order",
+}  # fmt: skip
+LABEL = pa.dictionary(pa.int32(), pa.string())
+"""Repetitive text columns are dictionary-encoded (they load as pandas categoricals)."""
+
+_fields = [
+    pa.field("config_hash", pa.string()),
+    pa.field("sweep", LABEL),
+    pa.field("status", LABEL),
+    pa.field("reason", LABEL),
+]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
         t = pa.int64()
     elif c in BOOL_CONFIG:
         t = pa.bool_()
-    elif c in ("model", "hardware", "cluster", "norm", "mlp", "position", "attention",
-               "recompute", "schedule", "rank_order"):  # fmt: skip
-        t = pa.string()
+    elif c in STRING_CONFIG:
+        t = LABEL
     else:
         t = pa.float64()
     _fields.append(pa.field(c, t))
 _fields += [pa.field(c, pa.float64()) for c in COST_COLUMNS.values()]
 _fields += [pa.field(c, pa.float64()) for c in COMM_COLUMNS]
-_fields += [pa.field("package_version", pa.string()), pa.field("trace_dir", pa.string())]
+_fields += [pa.field("package_version", LABEL), pa.field("trace_dir", pa.string())]
 RESULT_SCHEMA = pa.schema(_fields)
 """Arrow schema of every part file of a results dataset."""
 
@@ -128,22 +142,48 @@ def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+_HEX = np.array([f"{i:02x}".encode() for i in range(256)], dtype="S2")
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer (wrapping uint64 arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _stable64(text: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big"))
+
+
 def config_hash(table: pd.DataFrame) -> pd.Series:
-    """A stable 16-hex-digit hash of each row's configuration columns (vectorized)."""
-    canon = pd.DataFrame(index=table.index)
-    for c in CONFIG_COLUMNS:
-        col = table[c]
-        if c in INT_CONFIG:
-            canon[c] = col.astype("int64")
-        elif c in BOOL_CONFIG:
-            canon[c] = col.astype("bool")
-        elif RESULT_SCHEMA.field(c).type == pa.string():
-            canon[c] = col.astype(str).astype(object)
-        else:
-            canon[c] = col.astype("float64")
-    h = pd.util.hash_pandas_object(canon, index=False, categorize=False).to_numpy()
-    return pd.Series([f"{int(x):016x}" for x in h], index=table.index, dtype=str)
+    """A stable 16-hex-digit hash of each row's configuration columns (vectorized).
+
+    Numbers hash by their float64 value (integers and booleans included), text by a keyed
+    digest of the string, so the hash does not depend on dtypes, categories or row order.
+    """
+    n = len(table)
+    h = np.full(n, _GOLDEN, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i, c in enumerate(CONFIG_COLUMNS):
+            col = table[c]
+            if c in STRING_CONFIG:
+                cat = col if isinstance(col.dtype, pd.CategoricalDtype) else col.astype("category")
+                lut = np.array([_stable64(str(v)) for v in cat.cat.categories], dtype=np.uint64)
+                v = lut[cat.cat.codes.to_numpy()]
+            else:
+                v = col.to_numpy(dtype=np.float64).view(np.uint64)
+            h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
+    hexed = _HEX[h.byteswap().view(np.uint8).reshape(n, 8)].view("S16").ravel()
+    return pd.Series(hexed.astype(str), index=table.index, dtype=str)
 
 
 def empty_results() -> pd.DataFrame:
-    return RESULT_SCHEMA.empty_table().to_pandas()
+    fields = [
+        pa.field(f.name, pa.string()) if pa.types.is_dictionary(f.type) else f
+        for f in RESULT_SCHEMA
+    ]
+    return pa.schema(fields).empty_table().to_pandas()

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from stage_dse.results.schema import RESULT_SCHEMA
+from stage_dse.results.schema import RESULT_SCHEMA, empty_results
 
 __all__ = ["ResultStore"]
 
@@ -39,14 +39,18 @@ class ResultStore:
     def parts(self) -> list[Path]:
         return sorted(self.root.glob(PART_GLOB)) if self.root.is_dir() else []
 
-    def write(self, rows: pd.DataFrame) -> Path | None:
+    def write(self, rows: pd.DataFrame | pa.Table) -> Path | None:
         """Write one part file atomically; returns its path (None for no rows)."""
         if len(rows) == 0:
             return None
-        table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
+        if isinstance(rows, pa.Table):
+            table = rows.cast(RESULT_SCHEMA)
+        else:
+            table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
         name = f"part-{uuid.uuid4().hex}.parquet"
         tmp = self.root / f".tmp-{name}"
-        pq.write_table(table, tmp, compression="zstd")
+        text = [f.name for f in RESULT_SCHEMA if f.type == pa.string()]
+        pq.write_table(table, tmp, compression="lz4", use_dictionary=text, write_statistics=False)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, self.root / name)
@@ -70,6 +74,11 @@ class ResultStore:
     def read(self, columns: list[str] | None = None, filters=None) -> pd.DataFrame:
         parts = self.parts()
         if not parts:
-            return RESULT_SCHEMA.empty_table().to_pandas()
+            return empty_results()
         dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
-        return dataset.to_table(columns=columns, filter=filters).to_pandas()
+        table = dataset.to_table(columns=columns, filter=filters)
+        # dictionary-encoded text loads as plain strings: stable dtypes whatever the part order
+        for i, f in enumerate(table.schema):
+            if pa.types.is_dictionary(f.type):
+                table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
+        return table.to_pandas()

@@ -9,16 +9,30 @@ missing bytes in ``reason``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from stage_dse import __version__
 from stage_dse.cost.table import evaluate_table
 from stage_dse.results.schema import CONFIG_COLUMNS, RESULT_SCHEMA, config_hash, cost_columns
+from stage_dse.search.space import SearchSpace, enumerate_plans
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
 
-__all__ = ["error_rows", "evaluate_batch", "finalize_rows", "invalid_rows"]
+__all__ = [
+    "Block",
+    "block_configs",
+    "error_rows",
+    "evaluate_batch",
+    "evaluate_block",
+    "finalize_rows",
+    "invalid_rows",
+]
 
 GIB = 2.0**30
+INFEASIBLE_REASON = "does not fit in usable memory (short by -mem_headroom_bytes)"
 
 
 def finalize_rows(configs: pd.DataFrame, costs: pd.DataFrame | None, sweep: str) -> pd.DataFrame:
@@ -46,17 +60,13 @@ def evaluate_batch(batch: pd.DataFrame, sweep: str = "default") -> pd.DataFrame:
     rows = finalize_rows(batch, costs, sweep)
     headroom = costs["mem_headroom_bytes"].to_numpy()
     fits = headroom >= 0
-    rows["status"] = np.where(fits, "ok", "infeasible")
-    need = costs["mem_total"].to_numpy() / GIB
-    have = batch["usable_memory"].to_numpy() / GIB
-    reason = pd.Series("", index=rows.index, dtype=object)
-    bad = ~fits
-    if bad.any():
-        reason[bad] = [
-            f"needs {n:.1f} GiB > usable {h:.1f} GiB (short {n - h:.1f} GiB)"
-            for n, h in zip(need[bad], have[bad])
-        ]
-    rows["reason"] = reason.astype(str)
+    rows["status"] = pd.Categorical.from_codes(
+        (~fits).astype(np.int8), categories=["ok", "infeasible"]
+    )
+    # the shortfall itself is -mem_headroom_bytes (same row): the reason stays categorical
+    rows["reason"] = pd.Categorical.from_codes(
+        (~fits).astype(np.int8), categories=["", INFEASIBLE_REASON]
+    )
     return rows
 
 
@@ -72,3 +82,88 @@ def error_rows(configs: pd.DataFrame, message: str, sweep: str) -> pd.DataFrame:
     rows["status"] = "error"
     rows["reason"] = message
     return rows
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows ``[start, stop)`` of the valid plans of one enumeration: small to send, rebuilt
+    (deterministically) where it is evaluated."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    hardware: HardwareSpec
+    cluster: ClusterSpec
+    space: SearchSpace
+    memory_limit_bytes: float | None
+    start: int
+    stop: int
+
+
+def block_configs(block: Block) -> pd.DataFrame:
+    """The plan table of a block, with its config hashes."""
+    e = enumerate_plans(
+        block.model,
+        block.training,
+        block.hardware,
+        block.cluster,
+        block.space,
+        rows=slice(block.start, block.stop),
+    )
+    table = e.table
+    if block.memory_limit_bytes is not None:
+        table["usable_memory"] = float(block.memory_limit_bytes)
+    table["config_hash"] = config_hash(table).to_numpy()
+    return table
+
+
+def evaluate_block(block: Block, sweep: str, done: frozenset[str] | None = None) -> pa.Table:
+    """Enumerate a block, drop configurations already in ``done``, evaluate the rest; the
+    result rows come back as an Arrow table in the results schema (ready to write)."""
+    table = block_configs(block)
+    if done:
+        table = table[~table["config_hash"].isin(done).to_numpy()]
+    if len(table) == 0:
+        return RESULT_SCHEMA.empty_table()
+    return rows_table(table, evaluate_table(table), sweep)
+
+
+def _dictionary(codes: np.ndarray, categories: list[str]) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(
+        pa.array(codes.astype(np.int32)), pa.array(categories, type=pa.string())
+    )
+
+
+def _column(series: pd.Series, field: pa.Field) -> pa.Array:
+    if pa.types.is_dictionary(field.type):
+        cat = series if isinstance(series.dtype, pd.CategoricalDtype) else series.astype("category")
+        return _dictionary(cat.cat.codes.to_numpy(), [str(c) for c in cat.cat.categories])
+    return pa.array(series.to_numpy(), type=field.type)
+
+
+def rows_table(configs: pd.DataFrame, costs: pd.DataFrame, sweep: str) -> pa.Table:
+    """Result rows of evaluated plans straight into Arrow (no intermediate DataFrame)."""
+    n = len(configs)
+    fits = costs["mem_headroom_bytes"].to_numpy() >= 0
+    bad = (~fits).astype(np.int32)
+    cc = cost_columns(costs)
+    zeros = np.zeros(n, dtype=np.int32)
+    arrays = []
+    for field in RESULT_SCHEMA:
+        name = field.name
+        if name == "config_hash":
+            arrays.append(pa.array(configs["config_hash"].to_numpy(dtype=str), type=pa.string()))
+        elif name == "sweep":
+            arrays.append(_dictionary(zeros, [sweep]))
+        elif name == "status":
+            arrays.append(_dictionary(bad, ["ok", "infeasible"]))
+        elif name == "reason":
+            arrays.append(_dictionary(bad, ["", INFEASIBLE_REASON]))
+        elif name == "package_version":
+            arrays.append(_dictionary(zeros, [__version__]))
+        elif name == "trace_dir":
+            arrays.append(pa.nulls(n, pa.string()))
+        elif name in cc:
+            arrays.append(pa.array(cc[name].to_numpy(dtype=np.float64)))
+        else:
+            arrays.append(_column(configs[name], field))
+    return pa.Table.from_arrays(arrays, schema=RESULT_SCHEMA)

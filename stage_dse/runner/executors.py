@@ -1,9 +1,9 @@
-"""Executors: where :func:`stage_dse.runner.evaluate.evaluate_batch` runs.
+"""Executors: where the pure evaluation functions of :mod:`stage_dse.runner.evaluate` run.
 
-``LocalExecutor`` runs batches in this process (debugging, small runs, tests). ``RayExecutor``
-runs each batch as one Ray task: an embedded local Ray sized to this machine when no address is
+``LocalExecutor`` runs tasks in this process (debugging, small runs, tests). ``RayExecutor``
+runs each task as one Ray task: an embedded local Ray sized to this machine when no address is
 given, or an existing cluster (``address="auto"``, ``"ray://host:port"``). Ray retries a task
-whose worker died; a batch that still fails comes back as the exception, and the driver records
+whose worker died; a task that still fails comes back as the exception, and the driver records
 its rows as ``error`` rows with the exception text. Nothing else schedules work across
 machines.
 """
@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
-from typing import Protocol
-
-import pandas as pd
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 from stage_dse.cost.compile import compile_family
 from stage_dse.cost.derive import CostKey
-from stage_dse.runner.evaluate import evaluate_batch
 
 __all__ = ["Executor", "LocalExecutor", "RayExecutor", "make_executor"]
 
-Batch = tuple[int, pd.DataFrame]
+Task = tuple[int, tuple]
 
 
 class Executor(Protocol):
@@ -31,15 +28,15 @@ class Executor(Protocol):
 
     def compile(self, keys: Iterable[CostKey]) -> None: ...
 
-    def map(
-        self, batches: Iterable[Batch], sweep: str
-    ) -> Iterator[tuple[int, pd.DataFrame | BaseException]]: ...
+    def share(self, obj: Any) -> Any: ...
+
+    def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]: ...
 
     def close(self) -> None: ...
 
 
 class LocalExecutor:
-    """Evaluate in this process, one batch after the other."""
+    """Run tasks in this process, one after the other."""
 
     name = "local"
 
@@ -47,14 +44,15 @@ class LocalExecutor:
         for key in keys:
             compile_family(key)
 
-    def map(
-        self, batches: Iterable[Batch], sweep: str
-    ) -> Iterator[tuple[int, pd.DataFrame | BaseException]]:
-        for bid, batch in batches:
+    def share(self, obj: Any) -> Any:
+        return obj
+
+    def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]:
+        for tid, args in tasks:
             try:
-                yield bid, evaluate_batch(batch, sweep)
+                yield tid, fn(*args)
             except Exception as exc:  # recorded as error rows by the driver
-                yield bid, exc
+                yield tid, exc
 
     def close(self) -> None:
         pass
@@ -95,42 +93,49 @@ class RayExecutor:
             self.started_here = True
         self.num_cpus = int(ray.cluster_resources().get("CPU", 1))
         self.max_in_flight = max_in_flight or 2 * self.num_cpus
-        self._evaluate = ray.remote(max_retries=max_retries)(evaluate_batch)
-        self._compile = ray.remote(max_retries=max_retries)(_compile_task)
+        self.max_retries = max_retries
+        self._remote: dict[Callable, Any] = {}
+
+    def _as_remote(self, fn: Callable):
+        if fn not in self._remote:
+            self._remote[fn] = self._ray.remote(max_retries=self.max_retries)(fn)
+        return self._remote[fn]
 
     def compile(self, keys: Iterable[CostKey]) -> None:
         """Synthesize and compile families in parallel; each worker then loads them from the
         disk cache instead of deriving them again."""
         keys = list(keys)
         if len(keys) > 1:
-            self._ray.get([self._compile.remote(k) for k in keys])
-        for key in keys:  # the driver may need them too (memory screening)
-            compile_family(key)
+            remote = self._as_remote(_compile_task)
+            self._ray.get([remote.remote(k) for k in keys])
 
-    def map(
-        self, batches: Iterable[Batch], sweep: str
-    ) -> Iterator[tuple[int, pd.DataFrame | BaseException]]:
+    def share(self, obj: Any) -> Any:
+        """Put a large read-only argument in the object store once."""
+        return self._ray.put(obj)
+
+    def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]:
         ray = self._ray
+        remote = self._as_remote(fn)
         pending: dict = {}
-        it = iter(batches)
+        it = iter(tasks)
         exhausted = False
         while pending or not exhausted:
             while not exhausted and len(pending) < self.max_in_flight:
                 try:
-                    bid, batch = next(it)
+                    tid, args = next(it)
                 except StopIteration:
                     exhausted = True
                     break
-                pending[self._evaluate.remote(batch, sweep)] = bid
+                pending[remote.remote(*args)] = tid
             if not pending:
                 break
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                bid = pending.pop(ref)
+                tid = pending.pop(ref)
                 try:
-                    yield bid, ray.get(ref)
+                    yield tid, ray.get(ref)
                 except Exception as exc:  # worker died beyond retries, or the task raised
-                    yield bid, exc
+                    yield tid, exc
 
     def close(self) -> None:
         if self.started_here and self._ray.is_initialized():

@@ -11,15 +11,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pandas as pd
 
-from stage_dse.cost.table import KEY_COLUMNS, key_from_values
 from stage_dse.errors import ConfigError
-from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore
-from stage_dse.runner.evaluate import error_rows
+from stage_dse.runner.evaluate import Block, block_configs, error_rows, evaluate_block
 from stage_dse.runner.executors import Executor
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
@@ -77,27 +76,68 @@ class SweepReport:
     seconds: float = 0.0
 
 
-def build_table(spec: SweepSpec) -> tuple[pd.DataFrame, int, Counter]:
-    """All valid plans of the sweep as one plan table, with candidate and rejection counts."""
-    tables, candidates, rejected = [], 0, Counter()
+def _chunks(spec: SweepSpec) -> Iterator[tuple[pd.DataFrame, int, Counter]]:
+    """Valid plans per (model, hardware, GPU count), as enumerated."""
     for model in spec.models:
         for hw in spec.hardware:
             for n in spec.gpu_counts:
                 cluster = spec.cluster.replace(num_gpus=n)
                 e = enumerate_plans(model, spec.training, hw, cluster, spec.space)
-                candidates += e.candidates
-                rejected.update(e.rejected)
-                if len(e.table):
-                    tables.append(e.table)
+                if len(e.table) and spec.memory_limit_bytes is not None:
+                    e.table["usable_memory"] = float(spec.memory_limit_bytes)
+                yield e.table, e.candidates, e.rejected
+
+
+def build_table(spec: SweepSpec) -> tuple[pd.DataFrame, int, Counter]:
+    """All valid plans of the sweep as one plan table, with candidate and rejection counts."""
+    tables, candidates, rejected = [], 0, Counter()
+    for table, c, r in _chunks(spec):
+        candidates += c
+        rejected.update(r)
+        if len(table):
+            tables.append(table)
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
-    if len(table) and spec.memory_limit_bytes is not None:
-        table["usable_memory"] = float(spec.memory_limit_bytes)
     return table, candidates, rejected
 
 
-def _batches(table: pd.DataFrame, size: int) -> Iterator[tuple[int, pd.DataFrame]]:
-    for bid, start in enumerate(range(0, len(table), size)):
-        yield bid, table.iloc[start : start + size]
+def family_keys(spec: SweepSpec) -> list:
+    """The compiled families a sweep can need (structure of models x plan space)."""
+    from itertools import product
+
+    from stage_dse.cost.derive import cost_key
+    from stage_dse.spec import ParallelPlan
+
+    sp = spec.space
+    tp_many = isinstance(sp.tp, str) or any(t > 1 for t in sp.tp)
+    pp_many = isinstance(sp.pp, str) or any(p > 1 for p in sp.pp)
+    keys = set()
+    for model in spec.models:
+        for zero, rc, seq_par, att, v, order in product(
+            sp.zero_stage,
+            sp.recompute,
+            sp.sequence_parallel,
+            sp.attention,
+            sorted({min(v, 2) for v in sp.virtual_stages}),
+            sp.rank_order,
+        ):
+            if (seq_par and not tp_many) or (v > 1 and not pp_many):
+                continue
+            plan = ParallelPlan(
+                tp=2 if seq_par else 1,
+                pp=2 if v > 1 else 1,
+                zero_stage=zero,
+                recompute=rc,
+                sequence_parallel=seq_par,
+                attention=att,
+                schedule="interleaved" if v > 1 else "1f1b",
+                virtual_stages=v,
+                rank_order=order,
+                overlap_grad_reduce=sp.overlap_grad_reduce,
+                overlap_param_gather=sp.overlap_param_gather,
+                tp_comm_overlap=sp.tp_comm_overlap,
+            )
+            keys.add(cost_key(model, plan, spec.training))
+    return sorted(keys, key=repr)
 
 
 def run_grid(
@@ -108,47 +148,73 @@ def run_grid(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> SweepReport:
-    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per batch."""
+    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per batch.
+
+    The driver only counts (printed before anything is evaluated) and cuts each enumeration into
+    blocks of ``batch_size`` rows; each executor task rebuilds its block, hashes it, drops rows
+    already stored, evaluates the rest and returns Arrow rows, which the driver writes as one
+    part file per block from a background thread.
+    """
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
-    table, report.candidates, report.rejected = build_table(spec)
-    report.valid = len(table)
     store.prepare()
-    if len(table):
-        table["config_hash"] = config_hash(table).to_numpy()
-        done = store.hashes()
-        if done:
-            keep = ~table["config_hash"].isin(done).to_numpy()
-            report.skipped = int((~keep).sum())
-            table = table[keep].reset_index(drop=True)
+    done = frozenset(store.hashes())
+    blocks: list[Block] = []
+    for model in spec.models:
+        for hw in spec.hardware:
+            for n in spec.gpu_counts:
+                cluster = spec.cluster.replace(num_gpus=n)
+                e = enumerate_plans(model, spec.training, hw, cluster, spec.space, count_only=True)
+                report.candidates += e.candidates
+                report.valid += e.valid
+                report.rejected.update(e.rejected)
+                for start in range(0, e.valid, batch_size):
+                    stop = min(start + batch_size, e.valid)
+                    block = Block(
+                        model=model,
+                        training=spec.training,
+                        hardware=hw,
+                        cluster=cluster,
+                        space=spec.space,
+                        memory_limit_bytes=spec.memory_limit_bytes,
+                        start=start,
+                        stop=stop,
+                    )
+                    blocks.append(block)
     rejected_total = sum(report.rejected.values())
     log(
         f"sweep {spec.name}: {report.valid:,} valid plans of {report.candidates:,} candidates "
-        f"({rejected_total:,} rejected by divisibility rules); {report.skipped:,} already in "
-        f"{store.root}; evaluating {len(table):,} on {executor.name}"
+        f"({rejected_total:,} rejected by divisibility rules); {len(done):,} rows already in "
+        f"{store.root}; evaluating the rest in {len(blocks)} batches on {executor.name}"
     )
-    if len(table):
-        keys = {
-            key_from_values(dict(zip(KEY_COLUMNS, vals)))
-            for vals in table[list(KEY_COLUMNS)].drop_duplicates().itertuples(index=False)
-        }
-        executor.compile(sorted(keys, key=repr))
-        bar = _progress(len(table), progress)
-        batches = dict(_batches(table, batch_size))
-        for bid, result in executor.map(list(batches.items()), spec.name):
-            configs = batches.pop(bid)
+    if blocks:
+        executor.compile(family_keys(spec))
+    bar = _progress(report.valid, progress)
+    shared_done = executor.share(done) if done else None
+    tasks = ((i, (b, spec.name, shared_done)) for i, b in enumerate(blocks))
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending = []
+        for bid, result in executor.map(evaluate_block, tasks):
+            block = blocks[bid]
             if isinstance(result, BaseException):
-                rows = error_rows(configs, f"{type(result).__name__}: {result}", spec.name)
+                configs = block_configs(block)
+                configs = configs[~configs["config_hash"].isin(done).to_numpy()]
+                result = error_rows(configs, f"{type(result).__name__}: {result}", spec.name)
+                statuses = result["status"].value_counts().to_dict()
             else:
-                rows = result
-            store.write(rows)
-            report.evaluated += len(rows)
-            report.status.update(rows["status"].value_counts().to_dict())
-            infeasible = rows["status"] == "infeasible"
-            if infeasible.any():
-                report.infeasible_reasons["does not fit in memory"] += int(infeasible.sum())
-            bar.update(len(rows))
-        bar.close()
+                statuses = result.column("status").to_pandas().value_counts().to_dict()
+            pending.append(writer.submit(store.write, result))
+            n_rows = len(result)
+            report.evaluated += n_rows
+            report.skipped += (block.stop - block.start) - n_rows
+            report.status.update({k: v for k, v in statuses.items() if v})
+            bar.update(block.stop - block.start)
+        for f in pending:
+            f.result()  # surface write errors
+    bar.close()
+    infeasible = report.status.get("infeasible", 0)
+    if infeasible:
+        report.infeasible_reasons["does not fit in memory"] += infeasible
     report.seconds = time.perf_counter() - t0
     return report
 

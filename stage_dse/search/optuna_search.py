@@ -28,7 +28,7 @@ from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore
-from stage_dse.runner.evaluate import error_rows, finalize_rows, invalid_rows
+from stage_dse.runner.evaluate import error_rows, evaluate_batch, finalize_rows, invalid_rows
 from stage_dse.runner.executors import Executor
 from stage_dse.runner.sweep import SweepReport, SweepSpec
 from stage_dse.spec import ParallelPlan
@@ -206,7 +206,7 @@ def run_optuna(
             if fits.any():
                 batch = table[fits].reset_index(drop=True)
                 fit_trials = [t for t, f in zip(valid_trials, fits) if f]
-                ((_, result),) = list(executor.map([(0, batch)], spec.name))
+                ((_, result),) = list(executor.map(evaluate_batch, [(0, (batch, spec.name))]))
                 if isinstance(result, BaseException):
                     msg = f"{type(result).__name__}: {result}"
                     for t in fit_trials:

@@ -34,6 +34,13 @@ __all__ = ["Enumeration", "SearchSpace", "divisors", "enumerate_plans"]
 Axis = Sequence[int] | str
 
 
+def _const(value: object, rows: int):
+    """A constant column: categorical for text (cheap to build, dictionary-encoded on disk)."""
+    if isinstance(value, str):
+        return pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=[value])
+    return np.full(rows, value)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -103,6 +110,8 @@ class Enumeration:
     candidates: int
     rejected: Counter = field(default_factory=Counter)
     """Rule (as text) -> plans rejected by it first."""
+    valid: int = 0
+    """Valid plans of the whole enumeration (``table`` may hold a slice of them)."""
 
 
 def enumerate_plans(
@@ -112,8 +121,14 @@ def enumerate_plans(
     cluster: ClusterSpec,
     space: SearchSpace,
     num_gpus: int | None = None,
+    rows: slice | None = None,
+    count_only: bool = False,
 ) -> Enumeration:
-    """Every valid plan of ``space`` on exactly ``num_gpus`` GPUs (default: the whole cluster)."""
+    """Every valid plan of ``space`` on exactly ``num_gpus`` GPUs (default: the whole cluster).
+
+    ``rows`` keeps a slice of the valid plans (in their deterministic order), so batches of one
+    enumeration can be rebuilt anywhere; ``count_only`` skips building the table.
+    """
     n = cluster.num_gpus if num_gpus is None else num_gpus
     if n > cluster.num_gpus:
         raise ConfigError(f"num_gpus({n}) > cluster.num_gpus({cluster.num_gpus})")
@@ -189,6 +204,11 @@ def enumerate_plans(
             rejected[text] += count
         ok &= ~bad
     sel = np.nonzero(ok)[0]
+    valid = len(sel)
+    if count_only:
+        return Enumeration(table=pd.DataFrame(), candidates=total, rejected=rejected, valid=valid)
+    if rows is not None:
+        sel = sel[rows]
     rows = len(sel)
     consts = {
         **model_columns(model, training),
@@ -210,7 +230,7 @@ def enumerate_plans(
         "overlap_param_gather": space.overlap_param_gather,
         "tp_comm_overlap": space.tp_comm_overlap,
     }
-    data: dict[str, object] = {k: np.full(rows, val) for k, val in consts.items()}
+    data: dict[str, object] = {k: _const(val, rows) for k, val in consts.items()}
     data.update(
         {
             "num_gpus": np.full(rows, n),
@@ -222,10 +242,12 @@ def enumerate_plans(
             "virtual_stages": v[sel],
             "sequence_parallel": sp_[sel],
             "zero_stage": cols["zero_stage"][sel].astype(np.int64),
-            "recompute": cols["recompute"][sel],
-            "attention": cols["attention"][sel],
-            "schedule": np.where(v[sel] > 1, "interleaved", "1f1b"),
-            "rank_order": cols["rank_order"][sel],
+            "recompute": pd.Categorical(cols["recompute"][sel], categories=outer["recompute"]),
+            "attention": pd.Categorical(cols["attention"][sel], categories=outer["attention"]),
+            "schedule": pd.Categorical.from_codes(
+                (v[sel] > 1).astype(np.int8), categories=["1f1b", "interleaved"]
+            ),
+            "rank_order": pd.Categorical(cols["rank_order"][sel], categories=outer["rank_order"]),
         }
     )
-    return Enumeration(table=pd.DataFrame(data), candidates=total, rejected=rejected)
+    return Enumeration(table=pd.DataFrame(data), candidates=total, rejected=rejected, valid=valid)

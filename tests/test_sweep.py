@@ -1,0 +1,361 @@
+"""The sweep orchestrator end to end: runners, resume, kill -9, Optuna, Hydra configs, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from stage_dse.cli import run
+from stage_dse.config import conf_dir, load_cluster, load_hardware, load_model
+from stage_dse.config.schema import to_sweep
+from stage_dse.results import ResultStore, best_per, load, pareto
+from stage_dse.runner import LocalExecutor, RayExecutor, SweepSpec, build_table, run_grid
+from stage_dse.search import SearchSpace
+from stage_dse.spec import TrainingSpec
+
+SWEEPS = sorted(p.stem for p in (Path(conf_dir()) / "sweep").glob("*.yaml"))
+
+
+def small_spec(name="small", gpus=(16, 32)) -> SweepSpec:
+    return SweepSpec(
+        name=name,
+        models=(load_model("llama3_8b"),),
+        training=TrainingSpec(seq_len=4096, global_batch_size=128),
+        hardware=(load_hardware("h100_sxm"),),
+        cluster=load_cluster("dgx_h100"),
+        gpu_counts=gpus,
+        space=SearchSpace(micro_batch_size=(1, 2), virtual_stages=(1, 2)),
+    )
+
+
+def sorted_rows(path) -> pd.DataFrame:
+    df = load(path)
+    return df.sort_values("config_hash").reset_index(drop=True)
+
+
+def compose_cfg(overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture
+def ray_shutdown():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_local_and_ray_runners_write_identical_results(tmp_path, ray_shutdown):
+    spec = small_spec()
+    local = ResultStore(tmp_path / "local")
+    run_grid(spec, LocalExecutor(), local, batch_size=500, progress=False)
+    executor = RayExecutor(num_cpus=2)
+    try:
+        remote = ResultStore(tmp_path / "ray")
+        report = run_grid(spec, executor, remote, batch_size=500, progress=False)
+    finally:
+        executor.close()
+    a, b = sorted_rows(local.root), sorted_rows(remote.root)
+    assert len(a) == report.valid > 1000
+    assert len(local.parts()) > 1 and len(remote.parts()) == len(local.parts())
+    pd.testing.assert_frame_equal(a, b)
+    assert set(a["status"]) <= {"ok", "infeasible"} and (a["status"] == "ok").any()
+
+
+def test_sweep_through_a_two_node_ray_cluster(tmp_path, ray_shutdown):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        cfg = compose_cfg(
+            [
+                f"results_dir={tmp_path}",
+                f"runner.address={cluster.address}",
+                "runner.batch_size=300",
+                "runner.progress=false",
+                "num_gpus=[16]",
+            ]
+        )
+        import ray
+
+        evaluated = run(cfg)
+        assert not ray.is_initialized()  # the executor disconnected after the sweep
+    finally:
+        cluster.shutdown()
+    local = ResultStore(tmp_path / "local")
+    cfg_local = compose_cfg([f"results_dir={tmp_path / 'x'}", "runner=local", "num_gpus=[16]"])
+    spec = to_sweep(cfg_local)
+    run_grid(spec, LocalExecutor(), local, batch_size=300, progress=False)
+    got = sorted_rows(tmp_path / "default")
+    assert evaluated == len(got) > 0
+    pd.testing.assert_frame_equal(got, sorted_rows(local.root))
+
+
+def test_rerun_skips_everything(tmp_path):
+    spec = small_spec()
+    store = ResultStore(tmp_path / "s")
+    first = run_grid(spec, LocalExecutor(), store, batch_size=700, progress=False)
+    parts = store.parts()
+    second = run_grid(spec, LocalExecutor(), store, batch_size=700, progress=False)
+    assert first.evaluated == first.valid > 0
+    assert second.evaluated == 0 and second.skipped == first.valid
+    assert store.parts() == parts
+
+
+def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "stage_dse.cli",
+        f"results_dir={tmp_path}",
+        "runner=local",
+        "runner.batch_size=400",
+        "runner.progress=false",
+        "plan=wide",
+        "num_gpus=[32,64]",
+        "sweep_name=killed",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    root = tmp_path / "killed"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(root.glob("part-*.parquet"))) < 3:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    parts_at_kill = len(list(root.glob("part-*.parquet")))
+    assert parts_at_kill >= 3
+    cfg = compose_cfg(
+        [f"results_dir={tmp_path}", "plan=wide", "num_gpus=[32,64]", "sweep_name=killed"]
+    )
+    table, _, _ = build_table(to_sweep(cfg))
+    assert parts_at_kill < len(table) / 400  # it was killed mid-way
+    rerun = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    df = load(root)
+    from stage_dse.results import config_hash
+
+    assert df["config_hash"].is_unique
+    assert set(df["config_hash"]) == set(config_hash(table))
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_optuna_prunes_infeasible_trials_and_resumes(tmp_path):
+    import optuna
+
+    base = [
+        f"results_dir={tmp_path}",
+        "search=optuna",
+        "search.batch_size=40",
+        "runner=local",
+        "runner.progress=false",
+        "model=llama3_70b",
+        "num_gpus=[64,128,256]",
+        "sweep_name=opt",
+        "training.global_batch_size=512",
+        "search.seed=1",
+    ]
+    run(compose_cfg([*base, "search.n_trials=120"]))
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "opt" / "optuna.journal"))
+    )
+    study = optuna.load_study(study_name="opt", storage=storage)
+    states = pd.Series([t.state.name for t in study.trials]).value_counts()
+    assert len(study.trials) == 120
+    assert states.get("PRUNED", 0) > 0 and states.get("COMPLETE", 0) > 0
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    assert all("GiB > usable" in t.user_attrs["reason"] for t in pruned)
+    df = load(tmp_path / "opt")
+    assert df["config_hash"].is_unique
+    infeasible = df[df["status"] == "infeasible"]
+    assert len(infeasible) > 0 and infeasible["step_s"].isna().all()  # never fully evaluated
+    assert (df.loc[df["status"] == "ok", "step_s"] > 0).all()
+    # resume: the same study continues to 160 trials
+    run(compose_cfg([*base, "search.n_trials=160"]))
+    study = optuna.load_study(study_name="opt", storage=storage)
+    assert len(study.trials) == 160
+    assert load(tmp_path / "opt")["config_hash"].is_unique
+
+
+def test_multi_objective_optuna_uses_nsga2(tmp_path):
+    import optuna
+
+    cfg = compose_cfg(
+        [
+            f"results_dir={tmp_path}",
+            "search=optuna",
+            "search.n_trials=40",
+            "search.batch_size=20",
+            "search.objectives=[step_s,num_gpus,mem_total_bytes]",
+            "num_gpus=[16,32,64]",
+            "runner=local",
+            "runner.progress=false",
+            "sweep_name=mo",
+        ]
+    )
+    run(cfg)
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "mo" / "optuna.journal"))
+    )
+    study = optuna.load_study(study_name="mo", storage=storage)
+    assert len(study.directions) == 3 and len(study.best_trials) >= 1
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_every_named_sweep_composes(name):
+    cfg = compose_cfg([f"+sweep={name}"])
+    spec = to_sweep(cfg)
+    assert spec.name == name
+    table, candidates, _ = build_table(spec)
+    assert candidates > 0 and len(table) > 0
+
+
+def test_at_least_three_named_sweeps():
+    assert {"llama3_70b_h100_1024", "gpt3_175b_budget", "llama3_405b_16k"} <= set(SWEEPS)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (["model=llama3_70b", "plan.tp=3"], "plan.tp=3: tp(3) does not divide heads(64)"),
+        (["model=llama5_1t"], "Could not find 'model/llama5_1t'; valid model: "),
+        (["num_gpus=[-8]"], "num_gpus values must be integers > 0, got -8"),
+        (["cluster.num_gpus=abc"], "cluster.num_gpus=abc"),
+        (["hardware.hbm_tb_s=0"], "hardware.hbm_bandwidth_bytes_per_s must be > 0"),
+        (["runner.kind=slurm"], "runner.kind='slurm' is not one of: local, ray"),
+    ],
+)
+def test_bad_overrides_exit_with_one_line(tmp_path, override, needle):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stage_dse.cli",
+            f"results_dir={tmp_path}",
+            "runner=local",
+            *override,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("stage-dse: error: ") and needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_default_sweep_output_and_parquet(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stage_dse.cli",
+            f"results_dir={tmp_path}",
+            "runner=local",
+            "runner.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "valid plans of" in proc.stdout and "top 10 fastest feasible plans" in proc.stdout
+    assert "plans rejected before evaluation, by rule" in proc.stdout
+    df = pd.read_parquet(tmp_path / "default")
+    assert len(df) > 1000 and df["config_hash"].is_unique
+    assert {"step_s", "mfu", "mem_total_bytes", "trace_dir", "package_version"} <= set(df.columns)
+
+
+def test_budget_mode_reports_closest_misses(tmp_path):
+    cfg = compose_cfg(
+        [
+            f"results_dir={tmp_path}",
+            "runner=local",
+            "runner.progress=false",
+            "model=llama3_70b",
+            "mode=budget",
+            "budget.memory_gib=40",
+            "budget.max_gpus=64",
+            "budget.rank_by=gpu_seconds",
+            "sweep_name=budget",
+        ]
+    )
+    spec = to_sweep(cfg)
+    assert spec.gpu_counts == (1, 2, 4, 8, 16, 32, 64)
+    run(cfg)
+    df = load(tmp_path / "budget")
+    assert (df["usable_memory"] == 40 * 2**30).all()
+    ok = df[df["status"] == "ok"]
+    assert (ok["mem_total_bytes"] <= 40 * 2**30).all() and len(ok) > 0
+    assert (df["status"] == "infeasible").any()
+
+
+def test_analysis_helpers(tmp_path):
+    spec = small_spec(gpus=(8, 16, 32))
+    store = ResultStore(tmp_path / "a")
+    run_grid(spec, LocalExecutor(), store, progress=False)
+    ok = load(store.root, filters=[("status", "==", "ok")])
+    assert set(ok["status"]) == {"ok"}
+    front = pareto(ok, ["step_s", "mem_total_bytes"])
+    for r in front.itertuples():  # nothing is at least as good on both and better on one
+        better = ok[(ok.step_s <= r.step_s) & (ok.mem_total_bytes <= r.mem_total_bytes)]
+        strictly = better[(better.step_s < r.step_s) | (better.mem_total_bytes < r.mem_total_bytes)]
+        assert len(strictly) == 0
+    assert front["step_s"].is_monotonic_increasing
+    best = best_per(ok, "num_gpus")
+    assert list(best["num_gpus"]) == [8, 16, 32]
+    for r in best.itertuples():
+        assert r.step_s == ok[ok.num_gpus == r.num_gpus]["step_s"].min()
+
+
+def test_plot_writes_pngs(tmp_path):
+    from stage_dse.plot import main as plot_main
+
+    store = ResultStore(tmp_path / "p")
+    run_grid(small_spec(), LocalExecutor(), store, progress=False)
+    assert plot_main([str(store.root), "--out", str(tmp_path / "png")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert pngs == ["memory_breakdown.png", "pareto_time_memory.png", "step_time_vs_gpus.png"]
+    for p in (tmp_path / "png").glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
+    """A batch whose evaluation raises is recorded as error rows with the exception text."""
+    import stage_dse.runner.sweep as sweep_mod
+
+    calls = {"n": 0, "failed_rows": 0}
+    real = sweep_mod.evaluate_block
+
+    def flaky(block, sweep, done=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            calls["failed_rows"] = block.stop - block.start
+            raise RuntimeError("worker exploded")
+        return real(block, sweep, done)
+
+    monkeypatch.setattr(sweep_mod, "evaluate_block", flaky)
+    store = ResultStore(tmp_path / "e")
+    report = run_grid(small_spec(), LocalExecutor(), store, batch_size=500, progress=False)
+    df = load(store.root)
+    errors = df[df["status"] == "error"]
+    failed = calls["failed_rows"]
+    assert failed > 0 and len(errors) == failed and report.status["error"] == failed
+    assert (errors["reason"] == "RuntimeError: worker exploded").all()
+    assert len(df) == report.valid and df["config_hash"].is_unique
