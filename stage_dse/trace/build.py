@@ -1,0 +1,564 @@
+"""Per-rank Chakra execution traces instantiated from the symbolic graph of one configuration.
+
+What lives here: binding a configuration's symbols, laying out its pipeline stages (uneven
+splits give the first and last stage fewer layers; embeddings always on the first stage, the
+output layer and loss always on the last), the 1F1B micro-batch schedule of each stage, and the
+node stream of each stage as *templates*: every rank of a stage runs the same program and
+differs only in its communicator-group ids and pipeline peers. A template is pre-encoded once
+(fixed nodes as bytes, group/peer fields as slots), then each rank's file is stamped by filling
+its slots, so the cost per rank is a few hundred small byte joins and memory does not grow with
+the number of ranks.
+
+Modelling choices, visible in ``manifest.json``:
+
+* compute between two collectives is one COMP node (``granularity="segment"``, the default) or
+  one node per kernel (``"op"``); flops and bytes are summed, durations from the time model;
+* data-parallel gradients accumulate over micro-batches and are synchronized once per step,
+  layer by layer right after that layer's backward of the last micro-batch (bucketed overlap as
+  in Megatron-LM and PyTorch DDP); ZeRO-2/3 reduce-scatter every micro-batch;
+* send/recv tags are ``2 * micro_batch + direction``: deterministic, unique per peer pair;
+* compute nodes depend on the previous compute node (one stream) and on the collectives whose
+  results they consume; collectives depend on the compute that produced their input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sympy as sp
+
+from stage_dse import __version__
+from stage_dse.cost.bind import bind, bind_hardware
+from stage_dse.cost.derive import _recomputed_ops, cost_key
+from stage_dse.cost.time import _compute_time, collective_time
+from stage_dse.errors import ConfigError
+from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
+from stage_dse.graph.symbols import Symbols
+from stage_dse.graph.transformer import build_graphs
+from stage_dse.spec import (
+    ClusterSpec,
+    HardwareSpec,
+    MeshAxis,
+    ModelSpec,
+    ParallelPlan,
+    PipelineSchedule,
+    TrainingSpec,
+    validate_plan,
+)
+from stage_dse.trace import encode as enc
+from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
+
+__all__ = ["TraceConfig", "TraceSet", "build_trace_set", "stage_layers", "write_trace_set"]
+
+COLL_TYPE = {
+    CollKind.ALL_REDUCE: enc.CollType.ALL_REDUCE,
+    CollKind.ALL_GATHER: enc.CollType.ALL_GATHER,
+    CollKind.REDUCE_SCATTER: enc.CollType.REDUCE_SCATTER,
+    CollKind.ALL_TO_ALL: enc.CollType.ALL_TO_ALL,
+}
+PP = frozenset({MeshAxis.PP})
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    model: ModelSpec
+    training: TrainingSpec
+    plan: ParallelPlan
+    hardware: HardwareSpec
+    cluster: ClusterSpec
+    granularity: str = "segment"
+
+    def __post_init__(self) -> None:
+        validate_plan(self.model, self.training, self.plan)
+        if self.plan.num_gpus > self.cluster.num_gpus:
+            raise ConfigError(
+                f"plan needs {self.plan.num_gpus} GPUs > cluster.num_gpus({self.cluster.num_gpus})"
+            )
+        if self.granularity not in ("segment", "op"):
+            raise ConfigError(f"granularity={self.granularity!r} is not one of: segment, op")
+        if self.plan.schedule is PipelineSchedule.INTERLEAVED:
+            raise ConfigError(
+                "plan.schedule=interleaved: traces are written for the 1F1B schedule only; "
+                "set schedule=1f1b"
+            )
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage: ceil(layers/pp) each, the shortfall taken from the first and
+    last stages alternately (as large runs balance the embedding and output layers)."""
+    per = -(-layers // pp)
+    counts = [per] * pp
+    deficit = per * pp - layers
+    order = [0, pp - 1, *range(1, pp - 1)]
+    i = 0
+    while deficit > 0:
+        s = order[i % len(order)]
+        if counts[s] > 1:
+            counts[s] -= 1
+            deficit -= 1
+        i += 1
+    return counts
+
+
+# --------------------------------------------------------------------------- op numbers
+@dataclass
+class OpNumbers:
+    flops: int
+    bytes: int
+    comm_bytes: int
+    micros: int
+
+
+def _numbers(cfg: TraceConfig, ops: list[Op]) -> dict[int, OpNumbers]:
+    values = {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
+    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    order = cfg.plan.rank_order
+    exprs = []
+    for op in ops:
+        t = (
+            collective_time(op.coll, op.group, op.comm_bytes, order)
+            if op.is_comm
+            else _compute_time(op)
+        )
+        exprs.extend([op.flops, op.bytes, op.comm_bytes, t])
+    args = list(subs)
+    fn = sp.lambdify(args, exprs, modules="numpy")
+    vals = np.asarray(fn(*[subs[a] for a in args]), dtype=np.float64).reshape(len(ops), 4)
+    out = {}
+    for op, (f, b, c, t) in zip(ops, vals):
+        out[id(op)] = OpNumbers(round(f), round(b), round(c), max(1, round(t * 1e6)))
+    return out
+
+
+# --------------------------------------------------------------------------- templates
+@dataclass
+class Piece:
+    """A node of a stage program: fixed bytes, or a prefix awaiting a per-rank slot."""
+
+    prefix: bytes
+    slot: object = None
+    """None (fixed node), a group kind (pg_name), or ("peer", delta) for send/recv."""
+
+
+@dataclass
+class StageTemplate:
+    stage: int
+    pieces: list[Piece] = field(default_factory=list)
+    nodes: Counter = field(default_factory=Counter)
+    flops: int = 0
+    kinds: set = field(default_factory=set)
+
+
+class _Program:
+    """Builds one stage's node list with dependencies (ids local to the file)."""
+
+    def __init__(self, cfg: TraceConfig, numbers: dict[int, OpNumbers], rank_hint: int) -> None:
+        self.cfg = cfg
+        self.numbers = numbers
+        self.pieces: list[Piece] = []
+        self.next_id = 0
+        self.last_compute: int | None = None
+        self.pending_comm: list[int] = []
+        """Collectives since the last compute whose results the next compute consumes."""
+        self.step_comm: list[int] = []
+        """Per-step collectives the optimizer waits for."""
+        self.segment: list[Op] = []
+        self.counts: Counter = Counter()
+        self.flops = 0
+        self.kinds: set = set()
+        degree = {
+            MeshAxis.TP: cfg.plan.tp,
+            MeshAxis.CP: cfg.plan.cp,
+            MeshAxis.EP: cfg.plan.ep,
+            MeshAxis.DP: cfg.plan.dp,
+            MeshAxis.PP: cfg.plan.pp,
+        }
+        self.group_size = lambda group: int(np.prod([degree[a] for a in group]))
+
+    def _new_id(self) -> int:
+        i = self.next_id
+        self.next_id += 1
+        return i
+
+    def compute(self, op: Op) -> None:
+        self.segment.append(op)
+        if self.cfg.granularity == "op":
+            self.flush()
+
+    def flush(self, name: str | None = None) -> None:
+        if not self.segment:
+            return
+        nums = [self.numbers[id(o)] for o in self.segment]
+        flops = sum(n.flops for n in nums)
+        size = sum(n.bytes for n in nums)
+        micros = sum(n.micros for n in nums)
+        deps = ([self.last_compute] if self.last_compute is not None else []) + self.pending_comm
+        nid = self._new_id()
+        label = name or (
+            self.segment[0].name
+            if len(self.segment) == 1
+            else f"{self.segment[0].name}..{self.segment[-1].name}"
+        )
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("num_ops", flops)
+            + enc.attr_uint64("tensor_size", size)
+        )
+        self.pieces.append(
+            Piece(
+                enc.node(
+                    nid,
+                    label,
+                    enc.NodeType.COMP_NODE,
+                    data_deps=deps,
+                    duration_micros=micros,
+                    attrs=attrs,
+                )
+            )
+        )
+        self.counts["COMP_NODE"] += 1
+        self.flops += flops
+        self.last_compute = nid
+        self.pending_comm = []
+        self.segment = []
+
+    def collective(self, op: Op, blocking: bool, per_step: bool = False) -> None:
+        if self.group_size(op.group) == 1:
+            return  # a one-rank group moves nothing
+        self.flush()
+        n = self.numbers[id(op)]
+        deps = [self.last_compute] if self.last_compute is not None else []
+        if self.pending_comm:
+            deps.append(self.pending_comm[-1])
+        nid = self._new_id()
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("comm_type", int(COLL_TYPE[op.coll]))
+            + enc.attr_int64("comm_size", n.comm_bytes)
+        )
+        prefix = enc.node(
+            nid,
+            op.name,
+            enc.NodeType.COMM_COLL_NODE,
+            data_deps=deps,
+            duration_micros=n.micros,
+            attrs=attrs,
+        )
+        self.pieces.append(Piece(prefix, op.group))
+        self.kinds.add(op.group)
+        self.counts["COMM_COLL_NODE"] += 1
+        if per_step:
+            self.step_comm.append(nid)
+        elif blocking:
+            self.pending_comm.append(nid)
+
+    def p2p(self, send: bool, delta: int, size: int, tag: int, name: str) -> None:
+        self.flush()
+        deps = [self.last_compute] if self.last_compute is not None else []
+        nid = self._new_id()
+        kind = enc.NodeType.COMM_SEND_NODE if send else enc.NodeType.COMM_RECV_NODE
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("comm_size", size)
+            + enc.attr_int32("comm_tag", tag)
+        )
+        self.pieces.append(
+            Piece(enc.node(nid, name, kind, data_deps=deps, attrs=attrs), ("peer", delta, send))
+        )
+        self.counts["COMM_SEND_NODE" if send else "COMM_RECV_NODE"] += 1
+        if not send:
+            self.pending_comm.append(nid)
+
+
+def _consumed(graph: Graph) -> set[int]:
+    """Ops whose outputs are read by a later op of the same section (blocking collectives)."""
+    readers: set = set()
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.add(t)
+    return {id(op) for op in graph.ops if any(t in readers for t in op.outputs)}
+
+
+def _emit_ops(prog: _Program, ops: list[Op], consumed: set[int], skip_step: bool = True) -> None:
+    for op in ops:
+        if op.kind in (OpKind.VIEW,) or op.coll is CollKind.SLICE:
+            continue
+        if op.is_comm:
+            if op.frequency is Frequency.PER_STEP and skip_step:
+                continue
+            prog.collective(op, blocking=id(op) in consumed)
+        elif op.kind is not OpKind.OPTIMIZER:
+            prog.compute(op)
+
+
+def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
+    """Stage templates, the mesh with its groups, and the manifest facts of one config."""
+    model, training, plan = cfg.model, cfg.training, cfg.plan
+    graphs = build_graphs(model, plan, training)
+    key = cost_key(model, plan, training)
+    all_ops = [op for g in graphs.sections for op in g.ops]
+    numbers = _numbers(cfg, all_ops)
+    consumed = {g: _consumed(g) for g in graphs.sections}
+    m = plan.num_microbatches(training)
+    layers = stage_layers(model.num_layers, plan.pp)
+    boundary_bytes = numbers_boundary(cfg, graphs)
+    mesh = Mesh(plan)
+    templates = []
+    for s in range(plan.pp):
+        prog = _Program(cfg, numbers, 0)
+        first, last = s == 0, s == plan.pp - 1
+        sections: list[tuple[Graph, int]] = []
+        if first:
+            sections.append((graphs.embed, 1))
+        sections.append((graphs.block, layers[s]))
+        if last:
+            sections.append((graphs.head, 1))
+        fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
+        bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g, _ in sections}
+        rerun = {g: _recomputed_ops(g, key.recompute) for g, _ in sections}
+        step_sync = {
+            g: [
+                op
+                for op in g.ops
+                if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
+            ]
+            for g, _ in sections
+        }
+        warmup = min(plan.pp - s - 1, m)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", warmup + i), ("B", i)]
+        order += [("B", i) for i in range(m - warmup, m)]
+        for phase, mb in order:
+            last_mb = mb == m - 1
+            if phase == "F":
+                if not first:
+                    prog.p2p(False, -1, boundary_bytes, 2 * mb, f"recv_activation:mb{mb}")
+                for g, count in sections:
+                    for _ in range(count):
+                        _emit_ops(prog, fwd[g], consumed[g])
+                prog.flush()
+                if not last:
+                    prog.p2p(True, +1, boundary_bytes, 2 * mb, f"send_activation:mb{mb}")
+            else:
+                if not last:
+                    prog.p2p(False, +1, boundary_bytes, 2 * mb + 1, f"recv_gradient:mb{mb}")
+                for g, count in reversed(sections):
+                    for _ in range(count):
+                        _emit_ops(prog, rerun[g], consumed[g])
+                        _emit_ops(prog, bwd[g], consumed[g])
+                        if last_mb:  # bucketed gradient sync of this layer, once per step
+                            prog.flush()
+                            for op in step_sync[g]:
+                                prog.collective(op, blocking=False, per_step=True)
+                prog.flush()
+                if not first:
+                    prog.p2p(True, -1, boundary_bytes, 2 * mb + 1, f"send_gradient:mb{mb}")
+        # optimizer step waits for every gradient synchronization, then ZeRO-1/2 gathers
+        prog.pending_comm = list(prog.step_comm)
+        for g, count in sections:
+            for _ in range(count):
+                for op in g.ops:
+                    if op.kind is OpKind.OPTIMIZER:
+                        prog.compute(op)
+        prog.flush("optimizer_step")
+        for g, count in sections:
+            for _ in range(count):
+                for op in g.ops:
+                    if op.is_comm and op.phase is Phase.OPTIMIZER:
+                        prog.collective(op, blocking=False)
+        t = StageTemplate(
+            stage=s, pieces=prog.pieces, nodes=prog.counts, flops=prog.flops, kinds=prog.kinds
+        )
+        templates.append(t)
+    kinds = set().union(*(t.kinds for t in templates))
+    mesh.register(kinds)
+    manifest = {
+        "microbatches": m,
+        "stage_layers": layers,
+        "boundary_bytes": boundary_bytes,
+        "granularity": cfg.granularity,
+        "schedule": "1f1b",
+        "gradient_sync": "once per step, per layer after its last backward (bucketed); "
+        "ZeRO-2/3 reduce-scatter per micro-batch",
+        "send_recv_tags": "2 * micro_batch + (0 forward activation, 1 backward gradient)",
+    }
+    return mesh, templates, manifest
+
+
+def numbers_boundary(cfg: TraceConfig, graphs) -> int:
+    values = {**bind(cfg.model, cfg.training, cfg.plan)}
+    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    return int(graphs.boundary.local_bytes.xreplace(subs))
+
+
+# --------------------------------------------------------------------------- stamping
+def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -> tuple[bytes, int]:
+    slots: dict = {}
+    parts = [header]
+    for piece in template.pieces:
+        if piece.slot is None:
+            body = piece.prefix
+        else:
+            b = slots.get(piece.slot)
+            if b is None:
+                if isinstance(piece.slot, tuple):
+                    _, delta, send = piece.slot
+                    peer = mesh.pp_peer(rank, delta)
+                    b = enc.attr_int32("comm_dst" if send else "comm_src", peer)
+                else:
+                    b = enc.attr_string("pg_name", str(mesh.group_id(piece.slot, rank)))
+                slots[piece.slot] = b
+            body = piece.prefix + b
+        parts.append(enc.varint(len(body)))
+        parts.append(body)
+    data = b"".join(parts)
+    return data, len(template.pieces)
+
+
+def write_ranks(
+    out: str, prefix: str, mesh: Mesh, templates: list[StageTemplate], lo: int, hi: int
+) -> tuple[int, int]:
+    """Write ``<prefix>.<rank>.et`` for ranks [lo, hi); returns (bytes, files)."""
+    header = enc.frame(enc.metadata())
+    total = 0
+    pp_stride = mesh.stride[MeshAxis.PP]
+    for rank in range(lo, hi):
+        stage = (rank // pp_stride) % mesh.degree[MeshAxis.PP]
+        data, _ = _rank_bytes(templates[stage], mesh, rank, header)
+        path = os.path.join(out, f"{prefix}.{rank}.et")
+        with open(path, "wb") as fh:
+            fh.write(data)
+        total += len(data)
+    return total, hi - lo
+
+
+@dataclass
+class TraceSet:
+    path: Path
+    ranks: int
+    bytes: int
+    files: int
+    nodes_per_stage: list[dict]
+    group_ids: int
+    warnings: list[str]
+
+
+def write_trace_set(
+    cfg: TraceConfig,
+    out: str | os.PathLike,
+    prefix: str = "trace",
+    executor=None,
+    ranks_per_task: int = 2048,
+    config_hash: str = "",
+) -> TraceSet:
+    """Write a full trace set (one file per rank, ``comm_groups.json``, ``manifest.json``)."""
+    from stage_dse.trace.check import check_templates
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh, templates, facts = build_trace_set(cfg)
+    problems = check_templates(templates, mesh)
+    if problems:
+        raise ConfigError("trace templates failed their checks: " + "; ".join(problems[:5]))
+    warnings = []
+    if mesh.num_group_ids > ASTRA_SIM_MAX_GROUP_ID:
+        warnings.append(
+            f"{mesh.num_group_ids} communicator groups: ids above {ASTRA_SIM_MAX_GROUP_ID} "
+            "overflow a known simulator (group id x 10^6 in a 32-bit int)"
+        )
+    groups = mesh.groups_json()
+    (out / "comm_groups.json").write_text(json.dumps(groups))
+    tasks = [
+        (i, (str(out), prefix, mesh, templates, lo, min(lo + ranks_per_task, mesh.world)))
+        for i, lo in enumerate(range(0, mesh.world, ranks_per_task))
+    ]
+    total_bytes = files = 0
+    if executor is None:
+        for _, args in tasks:
+            b, f = write_ranks(*args)
+            total_bytes += b
+            files += f
+    else:
+        for _, result in executor.map(write_ranks, tasks):
+            if isinstance(result, BaseException):
+                raise result
+            total_bytes += result[0]
+            files += result[1]
+    pp_stride = mesh.stride[MeshAxis.PP]
+    ranks_per_stage = mesh.world // cfg.plan.pp
+    comp_flops = sum(t.flops * ranks_per_stage for t in templates)
+    manifest = {
+        "stage_dse_version": __version__,
+        "config_hash": config_hash,
+        "model": cfg.model.name,
+        "plan": {
+            k: (v.value if hasattr(v, "value") else v)
+            for k, v in cfg.plan.__dict__.items()
+            if k != "rank_order"
+        }
+        | {"rank_order": "-".join(a.value for a in cfg.plan.rank_order)},
+        "training": {
+            "seq_len": cfg.training.seq_len,
+            "global_batch_size": cfg.training.global_batch_size,
+        },
+        "hardware": cfg.hardware.name,
+        "cluster": cfg.cluster.name,
+        "ranks": mesh.world,
+        "file_prefix": prefix,
+        "files": files,
+        "total_bytes": total_bytes,
+        "comm_groups": mesh.num_group_ids,
+        "nodes_per_stage": [dict(t.nodes) for t in templates],
+        "total_nodes": sum(sum(t.nodes.values()) * ranks_per_stage for t in templates),
+        "comp_flops_total": comp_flops,
+        "analytic_flops_total": analytic_flops(cfg),
+        "pp_stride": pp_stride,
+        "warnings": warnings,
+        **facts,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return TraceSet(
+        out,
+        mesh.world,
+        total_bytes,
+        files,
+        manifest["nodes_per_stage"],
+        mesh.num_group_ids,
+        warnings,
+    )
+
+
+def analytic_flops(cfg: TraceConfig) -> int:
+    """Sum over all GPUs of their per-step flops, from the cost layer's per-section totals."""
+    from stage_dse.cost.derive import section_costs
+
+    graphs = build_graphs(cfg.model, cfg.plan, cfg.training)
+    mode = cfg.plan.recompute
+    values = bind(cfg.model, cfg.training, cfg.plan)
+    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    emb, blk, head = (
+        section_costs(g, graphs.tied_head_weight if g is graphs.head else None)
+        for g in graphs.sections
+    )
+
+    def num(e) -> float:
+        return float(sp.sympify(e).xreplace(subs))
+
+    m = cfg.plan.num_microbatches(cfg.training)
+    per_rank_stage = []
+    layers = stage_layers(cfg.model.num_layers, cfg.plan.pp)
+    for s, n in enumerate(layers):
+        f = n * (num(blk.compute_flops[mode]) * m + num(blk.optimizer_flops))
+        if s == 0:
+            f += num(emb.compute_flops[mode]) * m + num(emb.optimizer_flops)
+        if s == cfg.plan.pp - 1:
+            f += num(head.compute_flops[mode]) * m + num(head.optimizer_flops)
+        per_rank_stage.append(f)
+    ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
+    return round(sum(per_rank_stage) * ranks_per_stage)
