@@ -98,12 +98,12 @@ def _save(fig, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stage-dse-plot", description=__doc__.splitlines()[0])
     parser.add_argument("results", help="a sweep's results folder, e.g. results/default")
-    parser.add_argument("--out", default=None, help="output folder (default: RESULTS/plots)")
+    parser.add_argument("--out", default=None, help="output folder (default: RESULTS/_plots)")
     parser.add_argument("--top", type=int, default=10, help="plans in the memory breakdown")
     args = parser.parse_args(argv)
     if not Path(args.results).is_dir():
         parser.exit(2, f"stage-dse-plot: error: no results folder {args.results}\n")
-    files = plot_results(args.results, args.out or Path(args.results) / "plots", args.top)
+    files = plot_results(args.results, args.out or Path(args.results) / "_plots", args.top)
     if not files:
         parser.exit(1, "stage-dse-plot: error: no feasible rows to plot\n")
     for f in files:

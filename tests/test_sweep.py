@@ -171,7 +171,7 @@ def test_optuna_prunes_infeasible_trials_and_resumes(tmp_path):
     ]
     run(compose_cfg([*base, "search.n_trials=120"]))
     storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(tmp_path / "opt" / "optuna.journal"))
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "opt" / "_optuna.journal"))
     )
     study = optuna.load_study(study_name="opt", storage=storage)
     states = pd.Series([t.state.name for t in study.trials]).value_counts()
@@ -209,7 +209,7 @@ def test_multi_objective_optuna_uses_nsga2(tmp_path):
     )
     run(cfg)
     storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(tmp_path / "mo" / "optuna.journal"))
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "mo" / "_optuna.journal"))
     )
     study = optuna.load_study(study_name="mo", storage=storage)
     assert len(study.directions) == 3 and len(study.best_trials) >= 1

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -47,20 +48,40 @@ class ResultStore:
             table = rows.cast(RESULT_SCHEMA)
         else:
             table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
-        name = f"part-{uuid.uuid4().hex}.parquet"
-        tmp = self.root / f".tmp-{name}"
+        final = self.root / f"part-{uuid.uuid4().hex}.parquet"
+        self._write_table(table, final)
+        return final
+
+    def set_column(self, column: str, values: dict[str, str]) -> int:
+        """Set ``column`` for the rows whose ``config_hash`` is a key of ``values``; each part
+        holding such rows is rewritten atomically under its own name (no row lost or
+        duplicated whatever happens). Returns the number of rows changed."""
+        changed = 0
+        if not values:
+            return 0
+        keys = pa.array(list(values), type=pa.string())
+        for part in self.parts():
+            table = pq.read_table(part, schema=RESULT_SCHEMA)
+            hashes = table.column("config_hash")
+            hit = pa.compute.is_in(hashes, value_set=keys)
+            if not pa.compute.any(hit).as_py():
+                continue
+            old = table.column(column).to_pylist()
+            new = [values.get(h, o) for h, o in zip(hashes.to_pylist(), old)]
+            changed += sum(1 for a, b in zip(old, new) if a != b)
+            table = table.set_column(
+                table.schema.get_field_index(column), column, pa.array(new, type=pa.string())
+            )
+            self._write_table(table, part)
+        return changed
+
+    def _write_table(self, table: pa.Table, final: Path) -> None:
+        tmp = self.root / f".tmp-{final.name}"
         text = [f.name for f in RESULT_SCHEMA if f.type == pa.string()]
         pq.write_table(table, tmp, compression="lz4", use_dictionary=text, write_statistics=False)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp, self.root / name)
-        return self.root / name
-
-    def replace_parts(self, old: Iterable[Path], rows: pd.DataFrame) -> None:
-        """Swap part files for one new part holding ``rows`` (new first, then old removed)."""
-        self.write(rows)
-        for p in old:
-            Path(p).unlink(missing_ok=True)
+        os.replace(tmp, final)
 
     def hashes(self) -> set[str]:
         parts = self.parts()

@@ -6,7 +6,7 @@ expressions, and only the plans that fit are evaluated in full (one executor tas
 Trials whose plan does not fit are told ``PRUNED`` (reason in the trial's user attributes and
 in the result row); plans that break a divisibility rule are told ``FAIL``. The study lives in
 an Optuna journal file beside the sweep's results, so a rerun resumes it and
-``optuna-dashboard results/<sweep>/optuna.journal`` can open it. Several objectives (e.g.
+``optuna-dashboard results/<sweep>/_optuna.journal`` can open it. Several objectives (e.g.
 ``[step_s, num_gpus, mem_total_bytes]``) make it a multi-objective study (NSGA-II).
 """
 
@@ -107,7 +107,7 @@ def run_optuna(
         axes["inter_gbit_s"] = sorted(float(x) for x in search.inter_gbit_s)
 
     store.prepare()
-    storage = JournalStorage(JournalFileBackend(str(store.root / "optuna.journal")))
+    storage = JournalStorage(JournalFileBackend(str(store.root / "_optuna.journal")))
     directions = ["minimize"] * len(objectives)
     sampler_kind = search.sampler if len(objectives) == 1 else "nsga2"
     study = optuna.create_study(
@@ -122,7 +122,7 @@ def run_optuna(
     remaining = max(0, int(search.n_trials) - existing)
     log(
         f"sweep {spec.name}: optuna {sampler_kind} over {', '.join(axes)}; objectives "
-        f"{objectives}; {existing} trials in {store.root / 'optuna.journal'}, asking {remaining}"
+        f"{objectives}; {existing} trials in {store.root / '_optuna.journal'}, asking {remaining}"
     )
     report = SweepReport(name=spec.name)
     done = store.hashes()

@@ -5,7 +5,8 @@ not per rank). ``check_trace_dir`` decodes a written set and verifies: unique id
 dependency, no cycle, only supported collective types, integer-typed attributes, every SEND
 matched by a RECV with the same (src, dst, tag, size), every group's members issuing the same
 sequence of (type, size) collectives, overlapping groups ordered alike on their shared ranks,
-and the total COMP flops equal to the analytic total of the manifest.
+no cycle in the global order of collective instances (one collective in flight per rank), and
+the total COMP flops equal to the analytic total of the manifest.
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
     for (a, b), orders in pair_orders.items():
         if len(orders) > 1:
             problems.append(f"groups {a} and {b} are ordered differently on their shared ranks")
+    # one collective in flight per rank: the k-th collective of each group must be orderable
+    # globally, i.e. the per-rank orders of collective instances form no cycle
+    if _collective_wait_cycle(rank_events):
+        problems.append("collective order forms a cycle across ranks (deadlock)")
     if "analytic_flops_total" in manifest:
         want = manifest["analytic_flops_total"]
         if abs(comp_flops - want) > 1e-9 * max(want, 1) + len(ranks):
@@ -158,6 +163,34 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
     if manifest.get("total_nodes") not in (None, node_count):
         problems.append(f"{node_count} nodes decoded, manifest says {manifest['total_nodes']}")
     return problems
+
+
+def _collective_wait_cycle(rank_events: dict[int, list[int]]) -> bool:
+    edges: dict[tuple[int, int], set] = defaultdict(set)
+    for events in rank_events.values():
+        seen: Counter = Counter()
+        prev = None
+        for gid in events:
+            inst = (gid, seen[gid])
+            seen[gid] += 1
+            edges.setdefault(inst, set())
+            if prev is not None:
+                edges[prev].add(inst)
+            prev = inst
+    indeg: Counter = Counter()
+    for a, outs in edges.items():
+        for b in outs:
+            indeg[b] += 1
+    ready = [n for n in edges if indeg[n] == 0]
+    done = 0
+    while ready:
+        n = ready.pop()
+        done += 1
+        for b in edges[n]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                ready.append(b)
+    return done != len(edges)
 
 
 def _has_cycle(deps: dict[int, list[int]]) -> bool:

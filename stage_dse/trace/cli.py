@@ -1,0 +1,269 @@
+"""``stage-dse-trace``: write, check and inspect Chakra trace sets.
+
+Subcommands:
+
+* ``select RESULTS [--top K --by COL | --where EXPR | --hash H ...]``: one trace set per
+  selected result row under ``RESULTS/_traces/<config_hash>/``, and the rows' ``trace_dir``
+  filled in place (each touched part file is rewritten atomically under its own name);
+* ``config OUT [hydra overrides]``: one trace set for a single configuration composed from the
+  same config groups as ``stage-dse`` (every plan axis must have one value);
+* ``check DIR``: decode and verify a set (exit 1 with the problems found);
+* ``json FILE``: one node per line, for debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from stage_dse.errors import ConfigError, StageDseError
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.trace.build import TraceConfig, write_trace_set
+from stage_dse.trace.check import check_trace_dir
+from stage_dse.trace.encode import read_trace
+
+__all__ = ["config_from_row", "main", "select_and_write"]
+
+TRACES_DIR = "_traces"
+"""Inside a results folder; the underscore keeps it out of pandas.read_parquet(folder)."""
+DTYPE_OF_BYTES = {1: "fp8", 2: "bf16", 4: "fp32"}
+
+
+def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig:
+    """The specs of one result row (every configuration column is in the row)."""
+    model = ModelSpec(
+        name=str(row["model"]),
+        num_layers=int(row["layers"]),
+        hidden_size=int(row["hidden"]),
+        ffn_hidden_size=int(row["ffn"]),
+        num_heads=int(row["heads"]),
+        num_kv_heads=int(row["kv_heads"]),
+        head_dim=int(row["head_dim"]),
+        vocab_size=int(row["vocab"]),
+        norm=str(row["norm"]),
+        mlp=str(row["mlp"]),
+        position=str(row["position"]),
+        max_positions=int(row["positions"]),
+        tied_embeddings=bool(row["tied_embeddings"]),
+        bias=bool(row["bias"]),
+        dropout=bool(row["dropout"]),
+    )
+    opt_bytes = int(row["optimizer_bytes_per_param"])
+    training = TrainingSpec(
+        seq_len=int(row["seq"]),
+        global_batch_size=int(row["global_batch"]),
+        params_dtype=DTYPE_OF_BYTES[int(row["param_bytes"])],
+        grads_dtype=DTYPE_OF_BYTES[int(row["grad_bytes"])],
+        optimizer="adam" if opt_bytes == 12 else "sgd_momentum",
+    )
+    plan = ParallelPlan(
+        dp=int(row["dp"]),
+        tp=int(row["tp"]),
+        pp=int(row["pp"]),
+        cp=int(row["cp"]),
+        micro_batch_size=int(row["micro_batch"]),
+        zero_stage=int(row["zero_stage"]),
+        recompute=str(row["recompute"]),
+        sequence_parallel=bool(row["sequence_parallel"]),
+        attention=str(row["attention"]),
+        schedule=str(row["schedule"]),
+        virtual_stages=int(row["virtual_stages"]),
+        rank_order=str(row["rank_order"]),
+        overlap_grad_reduce=bool(row["overlap_grad_reduce"]),
+        overlap_param_gather=bool(row["overlap_param_gather"]),
+        tp_comm_overlap=bool(row["tp_comm_overlap"]),
+    )
+    hardware = HardwareSpec(
+        name=str(row["hardware"]),
+        peak_flops=float(row["peak_flops"]),
+        hbm_bytes=float(row["usable_memory"]) + 1.0,
+        hbm_bandwidth_bytes_per_s=float(row["hbm_bandwidth"]),
+        memory_reserve_bytes=1.0,
+        gemm_efficiency=float(row["gemm_efficiency"]),
+        gemm_half_dim=float(row["gemm_half_dim"]),
+        attention_efficiency=float(row["attention_efficiency"]),
+        memory_efficiency=float(row["memory_efficiency"]),
+        kernel_launch_s=float(row["kernel_launch_s"]),
+    )
+    cluster = ClusterSpec(
+        name=str(row["cluster"]),
+        num_gpus=int(row["num_gpus"]),
+        gpus_per_node=int(row["gpus_per_node"]),
+        intra_bandwidth_bytes_per_s=float(row["intra_bandwidth"]),
+        inter_bandwidth_bytes_per_s=float(row["inter_bandwidth"]),
+        intra_latency_s=float(row["intra_latency"]),
+        inter_latency_s=float(row["inter_latency"]),
+        intra_efficiency=float(row["intra_efficiency"]),
+        inter_efficiency=float(row["inter_efficiency"]),
+        pod_gpus=int(row["pod_gpus"]),
+        oversubscription=float(row["oversubscription"]),
+    )
+    return TraceConfig(model, training, plan, hardware, cluster, granularity)
+
+
+def select_and_write(
+    results: str | Path,
+    top: int | None = None,
+    by: str = "step_s",
+    where: str | None = None,
+    hashes: list[str] | None = None,
+    granularity: str = "segment",
+    executor=None,
+    log=print,
+) -> list[str]:
+    """Write trace sets for the selected rows and fill their ``trace_dir``; returns hashes."""
+    from stage_dse.results.store import ResultStore
+
+    store = ResultStore(results)
+    df = store.read()
+    if len(df) == 0:
+        raise ConfigError(f"no results in {results}")
+    ok = df[df["status"] == "ok"]
+    if hashes:
+        chosen = df[df["config_hash"].isin(hashes)]
+        missing = set(hashes) - set(chosen["config_hash"])
+        if missing:
+            raise ConfigError(f"--hash: not in {results}: {', '.join(sorted(missing))}")
+    elif where:
+        try:
+            chosen = ok.query(where)
+        except Exception as exc:
+            raise ConfigError(f"--where {where!r}: {exc}") from None
+    else:
+        if by not in df.columns:
+            raise ConfigError(f"--by {by!r} is not a result column")
+        chosen = ok.sort_values(by).head(top or 1)
+    written: dict[str, str] = {}
+    for _, row in chosen.iterrows():
+        h = str(row["config_hash"])
+        out = Path(results) / TRACES_DIR / h
+        try:
+            cfg = config_from_row(row, granularity)
+        except ConfigError as exc:
+            raise ConfigError(f"row {h}: {exc}") from None
+        ts = write_trace_set(cfg, out, executor=executor, config_hash=h)
+        log(f"{h}: {ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {out}")
+        for w in ts.warnings:
+            log(f"  warning: {w}")
+        written[h] = str(out.relative_to(results))
+    store.set_column("trace_dir", written)
+    return list(written)
+
+
+def _config_mode(out: str, overrides: list[str], granularity: str) -> TraceConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stage_dse.config.presets import conf_dir
+    from stage_dse.config.schema import register_schemas, to_sweep
+    from stage_dse.cost.table import plan_row
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    spec = to_sweep(cfg)
+    if len(spec.gpu_counts) != 1:
+        raise ConfigError("num_gpus: give exactly one GPU count for a trace")
+    sp_ = spec.space
+    one = {}
+    for name in ("tp", "pp", "cp", "micro_batch_size", "zero_stage", "recompute",
+                 "sequence_parallel", "attention", "virtual_stages", "rank_order"):  # fmt: skip
+        values = getattr(sp_, name)
+        if isinstance(values, str) or len(values) != 1:
+            raise ConfigError(f"plan.{name}: give exactly one value for a trace, got {values!r}")
+        one[name] = values[0]
+    n = spec.gpu_counts[0]
+    mp = one["tp"] * one["pp"] * one["cp"]
+    if n % mp:
+        raise ConfigError(f"tp*pp*cp({mp}) does not divide num_gpus({n})")
+    v = one.pop("virtual_stages")
+    plan = ParallelPlan(
+        dp=n // mp,
+        schedule="interleaved" if v > 1 else "1f1b",
+        virtual_stages=v,
+        overlap_grad_reduce=sp_.overlap_grad_reduce,
+        overlap_param_gather=sp_.overlap_param_gather,
+        tp_comm_overlap=sp_.tp_comm_overlap,
+        **one,
+    )
+    cluster = spec.cluster.replace(num_gpus=n)
+    plan_row(spec.models[0], spec.training, plan, spec.hardware[0], cluster)  # validates
+    return TraceConfig(spec.models[0], spec.training, plan, spec.hardware[0], cluster, granularity)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stage-dse-trace", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_sel = sub.add_parser("select", help="trace the selected rows of a results folder")
+    p_sel.add_argument("results")
+    p_sel.add_argument("--top", type=int, default=None)
+    p_sel.add_argument("--by", default="step_s")
+    p_sel.add_argument("--where", default=None, help="pandas query over result columns")
+    p_sel.add_argument("--hash", nargs="+", default=None)
+    p_sel.add_argument("--granularity", default="segment", choices=["segment", "op"])
+    p_sel.add_argument("--ray", action="store_true", help="write rank ranges as Ray tasks")
+    p_cfg = sub.add_parser("config", help="trace one configuration given as Hydra overrides")
+    p_cfg.add_argument("out")
+    p_cfg.add_argument("overrides", nargs="*")
+    p_cfg.add_argument("--granularity", default="segment", choices=["segment", "op"])
+    p_chk = sub.add_parser("check", help="verify a trace set")
+    p_chk.add_argument("dir")
+    p_js = sub.add_parser("json", help="print one rank file as JSON, one node per line")
+    p_js.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "select":
+            executor = None
+            if args.ray:
+                from stage_dse.runner.executors import RayExecutor
+
+                executor = RayExecutor()
+            try:
+                select_and_write(
+                    args.results,
+                    args.top,
+                    args.by,
+                    args.where,
+                    args.hash,
+                    args.granularity,
+                    executor,
+                )
+            finally:
+                if executor is not None:
+                    executor.close()
+        elif args.cmd == "config":
+            cfg = _config_mode(args.out, args.overrides, args.granularity)
+            ts = write_trace_set(cfg, args.out)
+            print(f"{ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {ts.path}")
+            for w in ts.warnings:
+                print(f"warning: {w}")
+        elif args.cmd == "check":
+            problems = check_trace_dir(args.dir)
+            if problems:
+                for p in problems[:20]:
+                    print(p)
+                if len(problems) > 20:
+                    print(f"... and {len(problems) - 20} more")
+                return 1
+            manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
+            print(f"ok: {manifest['ranks']} ranks, {manifest['total_nodes']} nodes")
+        elif args.cmd == "json":
+            from google.protobuf.json_format import MessageToDict
+
+            meta, nodes = read_trace(args.file)
+            print(json.dumps(MessageToDict(meta)))
+            for node in nodes:
+                print(json.dumps(MessageToDict(node)))
+    except StageDseError as exc:
+        print(f"stage-dse-trace: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

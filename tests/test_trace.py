@@ -1,0 +1,448 @@
+"""Chakra traces: encoding, golden trace set, checker, flops totals, determinism, selection."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import gpt, llama
+from stage_dse.config import load_cluster, load_hardware
+from stage_dse.cost.bind import evaluate_plan
+from stage_dse.errors import ConfigError
+from stage_dse.results import ResultStore, load
+from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
+from stage_dse.search import SearchSpace
+from stage_dse.spec import MeshAxis, ParallelPlan, TrainingSpec
+from stage_dse.trace import TraceConfig, check_trace_dir, stage_layers, write_trace_set
+from stage_dse.trace import encode as enc
+from stage_dse.trace import et_def_pb2 as pb
+from stage_dse.trace.cli import main as trace_main
+from stage_dse.trace.cli import select_and_write
+from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
+
+H100 = load_hardware("h100_sxm")
+GOLDEN = Path(__file__).parent / "golden"
+TINY_TRAIN = TrainingSpec(seq_len=128, global_batch_size=8)
+
+
+def tiny_cfg(plan: ParallelPlan, model=None, training=TINY_TRAIN, **kw) -> TraceConfig:
+    return TraceConfig(
+        model=model or gpt(layers=4, hidden=256, heads=4, vocab=1024),
+        training=training,
+        plan=plan,
+        hardware=H100,
+        cluster=load_cluster("dgx_h100", num_gpus=max(8, plan.num_gpus)),
+        **kw,
+    )
+
+
+def decode(path: Path) -> tuple[pb.GlobalMetadata, list[pb.Node]]:
+    meta, nodes = enc.read_trace(path)
+    return meta, list(nodes)
+
+
+def attrs(node: pb.Node) -> dict:
+    return {a.name: getattr(a, a.WhichOneof("value")) for a in node.attr}
+
+
+def rewrite(path: Path, meta: pb.GlobalMetadata, nodes: list[pb.Node]) -> None:
+    data = enc.frame(meta.SerializeToString())
+    data += b"".join(enc.frame(n.SerializeToString()) for n in nodes)
+    path.write_bytes(data)
+
+
+# ---------------------------------------------------------------------------- encoding
+def test_encoder_matches_protobuf_serialization():
+    a = (
+        enc.attr_bool("is_cpu_op", False)
+        + enc.attr_int64("num_ops", 123456789012)
+        + enc.attr_uint64("tensor_size", 42)
+        + enc.attr_int32("comm_tag", 7)
+        + enc.attr_string("pg_name", "17")
+    )
+    ours = enc.node(
+        300,
+        "fc1",
+        enc.NodeType.COMP_NODE,
+        data_deps=[1, 299],
+        ctrl_deps=[5],
+        duration_micros=1234,
+        attrs=a,
+    )
+    ref = pb.Node(
+        id=300,
+        name="fc1",
+        type=pb.COMP_NODE,
+        data_deps=[1, 299],
+        ctrl_deps=[5],
+        duration_micros=1234,
+    )
+    ref.attr.add(name="is_cpu_op", bool_val=False)
+    ref.attr.add(name="num_ops", int64_val=123456789012)
+    ref.attr.add(name="tensor_size", uint64_val=42)
+    ref.attr.add(name="comm_tag", int32_val=7)
+    ref.attr.add(name="pg_name", string_val="17")
+    assert ours == ref.SerializeToString()
+    assert enc.metadata() == pb.GlobalMetadata(version=enc.SCHEMA_VERSION).SerializeToString()
+    assert enc.node(0, "", enc.NodeType.COMP_NODE) == pb.Node(type=pb.COMP_NODE).SerializeToString()
+
+
+def test_generated_module_matches_the_proto():
+    pytest.importorskip("grpc_tools")
+    here = Path(__file__).parents[1] / "stage_dse" / "trace"
+    out = Path(pytest.importorskip("tempfile").mkdtemp())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{here}",
+            f"--python_out={out}",
+            "et_def.proto",
+        ],
+        check=True,
+    )
+    assert (out / "et_def_pb2.py").read_text() == (here / "et_def_pb2.py").read_text()
+
+
+def test_enum_values_match_the_chakra_schema():
+    assert [
+        pb.NodeType.Value(n)
+        for n in ("COMP_NODE", "COMM_SEND_NODE", "COMM_RECV_NODE", "COMM_COLL_NODE")
+    ] == [4, 5, 6, 7]
+    assert pb.CollectiveCommType.Value("REDUCE_SCATTER") == 7
+    assert pb.CollectiveCommType.Value("ALL_TO_ALL") == 6
+    field = pb.AttributeProto.DESCRIPTOR.fields_by_name
+    assert (field["int64_val"].number, field["uint64_val"].number, field["string_val"].number) == (
+        9,
+        13,
+        29,
+    )
+
+
+# ---------------------------------------------------------------------------- mesh
+def test_mesh_group_ids_are_dense_and_closed_form():
+    mesh = Mesh(ParallelPlan(dp=4, tp=2, pp=2, cp=2))
+    kinds = [
+        frozenset({MeshAxis.TP}),
+        frozenset({MeshAxis.DP, MeshAxis.CP}),
+        frozenset({MeshAxis.CP}),
+    ]
+    mesh.register(kinds)
+    groups = mesh.groups_json()
+    assert sorted(int(k) for k in groups) == list(range(1, mesh.num_group_ids + 1))
+    for rank in range(mesh.world):
+        for kind in kinds:
+            gid = mesh.group_id(kind, rank)
+            assert groups[str(gid)] == mesh.members(kind, rank)
+            assert len(groups[str(gid)]) == mesh.group_size(kind)
+
+
+def test_group_id_limit_is_reported():
+    mesh = Mesh(ParallelPlan(dp=4096, tp=2))
+    mesh.register([frozenset({MeshAxis.TP}), frozenset({MeshAxis.DP, MeshAxis.CP})])
+    assert mesh.num_group_ids == 4096 + 2 > ASTRA_SIM_MAX_GROUP_ID
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "expected"),
+    [(4, 2, [2, 2]), (6, 4, [1, 2, 2, 1]), (126, 16, [7] + [8] * 14 + [7]), (5, 4, [1, 1, 2, 1])],
+)
+def test_uneven_stage_layers(layers, pp, expected):
+    got = stage_layers(layers, pp)
+    assert got == expected and sum(got) == layers
+
+
+# ---------------------------------------------------------------------------- trace sets
+def test_golden_trace_set(tmp_path):
+    """dp=tp=pp=2 on a 4-layer GPT: decoded field by field against the committed golden."""
+    ts = write_trace_set(tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2)), tmp_path)
+    assert ts.ranks == 8 and ts.files == 8
+    assert check_trace_dir(tmp_path) == []
+    groups = json.loads((tmp_path / "comm_groups.json").read_text())
+    rendering = {"groups": groups, "ranks": {}}
+    for rank in (0, 3, 4, 7):
+        meta, nodes = decode(tmp_path / f"trace.{rank}.et")
+        assert meta.version == "0.0.4"
+        rendering["ranks"][str(rank)] = [
+            [n.id, n.name, pb.NodeType.Name(n.type), list(n.data_deps), sorted(attrs(n).items())]
+            for n in nodes
+        ]
+    golden = GOLDEN / "trace_dp2_tp2_pp2.json"
+    if not golden.exists():  # first run writes it; review it, then it is the reference
+        golden.write_text(json.dumps(rendering, indent=0, sort_keys=True))
+    assert json.loads(json.dumps(rendering, sort_keys=True)) == json.loads(golden.read_text())
+    # spot checks that do not depend on the golden: TP groups are {0,1}, {2,3}, ...; rank 0's
+    # first collective is the embedding all-reduce on its TP group; stage 0 sends to stage 1
+    tp = {tuple(v) for v in groups.values() if len(v) == 2 and v[1] - v[0] == 1}
+    assert {(0, 1), (2, 3), (4, 5), (6, 7)} <= tp
+    _, nodes = decode(tmp_path / "trace.0.et")
+    first_coll = next(n for n in nodes if n.type == pb.COMM_COLL_NODE)
+    a = attrs(first_coll)
+    assert a["comm_type"] == pb.ALL_REDUCE and groups[a["pg_name"]] == [0, 1]
+    assert a["comm_size"] == 1 * 128 * 256 * 2  # micro-batch x seq x hidden x bf16
+    sends = [attrs(n) for n in nodes if n.type == pb.COMM_SEND_NODE]
+    assert all(s["comm_dst"] == 4 for s in sends) and [s["comm_tag"] for s in sends] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelPlan(dp=2, tp=2, pp=2),
+        ParallelPlan(dp=2, tp=2, pp=2, sequence_parallel=True, zero_stage=1, recompute="selective"),
+        ParallelPlan(dp=2, cp=2, pp=2, zero_stage=3, recompute="full"),
+        ParallelPlan(dp=4, pp=2, zero_stage=2, attention="materialized"),
+        ParallelPlan(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),
+    ],
+)
+def test_comp_flops_equal_the_analytic_total(tmp_path, plan):
+    cfg = tiny_cfg(
+        plan, model=llama(layers=4, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=1024)
+    )
+    write_trace_set(cfg, tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
+    # and, independently, against the compiled cost model: the per-GPU stage flops of every
+    # micro-batch on every GPU, plus the optimizer step
+    costs = evaluate_plan(cfg.model, cfg.training, plan)
+    m = costs["stage_microbatches"]
+    per_stage = plan.num_gpus // plan.pp
+    last = costs["stage_last_flops"] if plan.pp > 1 else 0.0  # pp=1: the first stage is all
+    stage_flops = per_stage * m * (costs["stage_first_flops"] + last)
+    opt = manifest["analytic_flops_total"] - stage_flops
+    # the optimizer step: 12 flops per parameter per replica of the optimizer state (norm
+    # weights are also replicated over tensor-parallel ranks, a few percent at these sizes)
+    replicas = plan.dp * plan.cp if plan.zero_stage == 0 else 1
+    assert 1.0 <= opt / (12 * costs["params_total"] * replicas) <= 1.05
+
+
+def test_uneven_split_places_embedding_first_and_loss_last(tmp_path):
+    model = gpt(layers=6, hidden=256, heads=4, vocab=1024)
+    write_trace_set(tiny_cfg(ParallelPlan(dp=1, pp=4), model=model, granularity="op"), tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    names = {r: [n.name for n in decode(tmp_path / f"trace.{r}.et")[1]] for r in range(4)}
+    assert "word_embedding" in names[0] and all("word_embedding" not in names[r] for r in (1, 2, 3))
+    assert "loss" in names[3] and all("loss" not in names[r] for r in (0, 1, 2))
+    counts = [sum(1 for n in names[r] if n == "fc1") for r in range(4)]
+    m = TINY_TRAIN.global_batch_size
+    assert counts == [1 * m, 2 * m, 2 * m, 1 * m]
+
+
+def test_two_runs_are_byte_identical(tmp_path):
+    cfg = tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2, zero_stage=1))
+    write_trace_set(cfg, tmp_path / "a", config_hash="x")
+    write_trace_set(cfg, tmp_path / "b", config_hash="x")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
+    assert not mismatch and not errors and len(match) == 8 + 2
+
+
+def test_interleaved_traces_are_refused_with_a_clear_error():
+    with pytest.raises(ConfigError, match="1F1B schedule only"):
+        tiny_cfg(ParallelPlan(dp=2, pp=2, schedule="interleaved", virtual_stages=2))
+
+
+# ---------------------------------------------------------------------------- checker
+@pytest.fixture
+def good_set(tmp_path):
+    write_trace_set(tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2)), tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    return tmp_path
+
+
+def _mutate(path: Path, fn) -> None:
+    meta, nodes = decode(path)
+    nodes = fn(nodes)
+    rewrite(path, meta, nodes)
+
+
+def _colls(nodes):
+    return [i for i, n in enumerate(nodes) if n.type == pb.COMM_COLL_NODE]
+
+
+def test_checker_rejects_a_dangling_dependency(good_set):
+    _mutate(good_set / "trace.1.et", lambda ns: [*ns[:-1], _with(ns[-1], data_deps=[999999])])
+    assert any("missing node 999999" in p for p in check_trace_dir(good_set))
+
+
+def test_checker_rejects_a_cycle(good_set):
+    def cyc(ns):
+        ns[0].data_deps.append(ns[1].id)
+        return ns
+
+    _mutate(good_set / "trace.2.et", cyc)
+    assert any("cycle" in p for p in check_trace_dir(good_set))
+
+
+def test_checker_rejects_an_unmatched_send(good_set):
+    _mutate(
+        good_set / "trace.0.et",
+        lambda ns: (
+            [n for n in ns if n.type != pb.COMM_SEND_NODE][:]
+            + [n for n in ns if n.type == pb.COMM_SEND_NODE][1:]
+        ),
+    )
+    assert any("send/recv without a match" in p for p in check_trace_dir(good_set))
+
+
+def test_checker_rejects_a_collective_missing_on_one_member(good_set):
+    def drop(ns):
+        i = _colls(ns)[3]
+        removed = ns[i].id
+        out = [n for j, n in enumerate(ns) if j != i]
+        for n in out:
+            if removed in n.data_deps:
+                deps = [d for d in n.data_deps if d != removed]
+                del n.data_deps[:]
+                n.data_deps.extend(deps)
+        return out
+
+    _mutate(good_set / "trace.1.et", drop)
+    assert any("different collective sequences" in p for p in check_trace_dir(good_set))
+
+
+def test_checker_rejects_two_swapped_collectives(good_set):
+    """Two collectives of one group with different sizes trade places on one member."""
+
+    def swap(ns):
+        colls = [(i, attrs(ns[i])) for i in _colls(ns)]
+        for i, a in colls:
+            other = next(
+                (
+                    j
+                    for j, b in colls
+                    if b["pg_name"] == a["pg_name"] and b["comm_size"] != a["comm_size"]
+                ),
+                None,
+            )
+            if other is not None:
+                break
+        ids = (ns[i].id, ns[other].id)
+        ns[i], ns[other] = ns[other], ns[i]
+        ns[i].id, ns[other].id = ids  # keep ids ascending in file order
+        return ns
+
+    _mutate(good_set / "trace.4.et", swap)
+    problems = check_trace_dir(good_set)
+    assert any("different collective sequences" in p for p in problems)
+
+
+def test_checker_rejects_a_cross_rank_collective_cycle(tmp_path):
+    """Rank 1 issues its data-parallel sync before its tensor-parallel collectives while its
+    TP peer does the opposite: the orders form a cycle through the groups."""
+    write_trace_set(tiny_cfg(ParallelPlan(dp=2, tp=2)), tmp_path)
+    assert check_trace_dir(tmp_path) == []
+
+    def dp_first(ns):
+        colls = _colls(ns)
+        groups = json.loads((tmp_path / "comm_groups.json").read_text())
+        dp = [i for i in colls if groups[attrs(ns[i])["pg_name"]] in ([1, 3], [0, 2])]
+        tp = [i for i in colls if i not in dp]
+        order = dp + tp  # every dp collective first, then the tp ones
+        moved = [ns[i] for i in order]
+        ids = sorted(ns[i].id for i in colls)
+        for node, nid in zip(moved, ids):
+            node.id = nid
+            del node.data_deps[:]
+        rest = [n for k, n in enumerate(ns) if k not in set(colls)]
+        for n in rest:
+            del n.data_deps[:]
+        return sorted(rest + moved, key=lambda n: n.id)
+
+    _mutate(tmp_path / "trace.1.et", dp_first)
+    _mutate(tmp_path / "trace.2.et", dp_first)
+    problems = check_trace_dir(tmp_path)
+    assert any("cycle across ranks" in p or "different collective sequences" in p for p in problems)
+
+
+def test_checker_rejects_an_unsupported_collective(good_set):
+    def bcast(ns):
+        for at in ns[_colls(ns)[0]].attr:
+            if at.name == "comm_type":
+                at.int64_val = pb.BROADCAST
+        return ns
+
+    _mutate(good_set / "trace.0.et", bcast)
+    assert any("unsupported collective type 5" in p for p in check_trace_dir(good_set))
+
+
+def test_checker_rejects_a_float_where_an_integer_is_required(good_set):
+    def floaty(ns):
+        node = next(n for n in ns if n.type == pb.COMP_NODE)
+        for at in node.attr:
+            if at.name == "num_ops":
+                value = at.int64_val
+                at.double_val = float(value)
+        return ns
+
+    _mutate(good_set / "trace.3.et", floaty)
+    assert any(
+        "attr num_ops is double_val, needs int64_val" in p for p in check_trace_dir(good_set)
+    )
+
+
+def _with(node: pb.Node, **fields) -> pb.Node:
+    new = pb.Node()
+    new.CopyFrom(node)
+    for k, v in fields.items():
+        del getattr(new, k)[:]
+        getattr(new, k).extend(v)
+    return new
+
+
+# ---------------------------------------------------------------------------- selection
+def test_selection_fills_trace_dir_for_exactly_the_selected_rows(tmp_path):
+    spec = SweepSpec(
+        name="sel",
+        models=(gpt(layers=4, hidden=256, heads=4, vocab=1024),),
+        training=TINY_TRAIN,
+        hardware=(H100,),
+        cluster=load_cluster("dgx_h100"),
+        gpu_counts=(8,),
+        space=SearchSpace(micro_batch_size=(1,), virtual_stages=(1,)),
+    )
+    store = ResultStore(tmp_path / "sel")
+    run_grid(spec, LocalExecutor(), store, batch_size=100, progress=False)
+    before = load(store.root)
+    chosen = select_and_write(store.root, top=3, log=lambda s: None)
+    after = load(store.root)
+    assert len(after) == len(before) and after["config_hash"].is_unique
+    marked = after[after["trace_dir"].notna()]
+    assert sorted(marked["config_hash"]) == sorted(chosen) and len(chosen) == 3
+    best3 = before[before.status == "ok"].sort_values("step_s").head(3)["config_hash"]
+    assert set(chosen) == set(best3)
+    for h, d in zip(marked["config_hash"], marked["trace_dir"]):
+        assert d == f"_traces/{h}"
+        assert check_trace_dir(store.root / d) == []
+    cols = [c for c in before.columns if c != "trace_dir"]
+    key = before.sort_values("config_hash").reset_index(drop=True)[cols]
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(
+        key, after.sort_values("config_hash").reset_index(drop=True)[cols]
+    )
+
+
+def test_trace_cli_config_check_and_json(tmp_path, capsys):
+    out = tmp_path / "t"
+    rc = trace_main(
+        ["config", str(out), "model=llama3_8b", "num_gpus=[8]", "plan.tp=[2]", "plan.pp=[2]",
+         "plan.micro_batch_size=[1]", "plan.zero_stage=[1]", "plan.recompute=[full]",
+         "plan.sequence_parallel=[true]", "training.global_batch_size=8", "training.seq_len=1024"]
+    )  # fmt: skip
+    assert rc == 0
+    assert trace_main(["check", str(out)]) == 0
+    assert "ok: 8 ranks" in capsys.readouterr().out
+    assert trace_main(["json", str(out / "trace.0.et")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        json.loads(lines[0]) == {"version": "0.0.4"} and json.loads(lines[1])["type"] == "COMP_NODE"
+    )
+    assert trace_main(["config", str(out), "plan.tp=[1,2]"]) == 2
+    assert "give exactly one value" in capsys.readouterr().err
