@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import gpt, llama
+
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import evaluate_plan
 from stage_dse.errors import ConfigError
@@ -311,18 +311,13 @@ def test_checker_rejects_two_swapped_collectives(good_set):
     """Two collectives of one group with different sizes trade places on one member."""
 
     def swap(ns):
-        colls = [(i, attrs(ns[i])) for i in _colls(ns)]
-        for i, a in colls:
-            other = next(
-                (
-                    j
-                    for j, b in colls
-                    if b["pg_name"] == a["pg_name"] and b["comm_size"] != a["comm_size"]
-                ),
-                None,
-            )
-            if other is not None:
-                break
+        colls = [(k, attrs(ns[k])) for k in _colls(ns)]
+        i, other = next(
+            (k, j)
+            for k, a in colls
+            for j, b in colls
+            if b["pg_name"] == a["pg_name"] and b["comm_size"] != a["comm_size"]
+        )
         ids = (ns[i].id, ns[other].id)
         ns[i], ns[other] = ns[other], ns[i]
         ns[i].id, ns[other].id = ids  # keep ids ascending in file order

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 

@@ -423,8 +423,13 @@ def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -
 
 def write_ranks(
     out: str, prefix: str, mesh: Mesh, templates: list[StageTemplate], lo: int, hi: int
-) -> tuple[int, int]:
-    """Write ``<prefix>.<rank>.et`` for ranks [lo, hi); returns (bytes, files)."""
+) -> tuple[int, int, float, float]:
+    """Write ``<prefix>.<rank>.et`` for ranks [lo, hi); returns (bytes, files, CPU seconds,
+    peak RSS in MiB of the process that wrote them)."""
+    import resource
+    import time
+
+    cpu0 = time.process_time()
     header = enc.frame(enc.metadata())
     total = 0
     pp_stride = mesh.stride[MeshAxis.PP]
@@ -435,7 +440,8 @@ def write_ranks(
         with open(path, "wb") as fh:
             fh.write(data)
         total += len(data)
-    return total, hi - lo
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return total, hi - lo, time.process_time() - cpu0, rss_mib
 
 
 @dataclass
@@ -447,6 +453,9 @@ class TraceSet:
     nodes_per_stage: list[dict]
     group_ids: int
     warnings: list[str]
+    worker_cpu_s: float = 0.0
+    """CPU seconds spent in executor tasks (0 when written in this process)."""
+    worker_peak_rss_mib: float = 0.0
 
 
 def write_trace_set(
@@ -479,17 +488,22 @@ def write_trace_set(
         for i, lo in enumerate(range(0, mesh.world, ranks_per_task))
     ]
     total_bytes = files = 0
+    worker_cpu = worker_rss = 0.0
     if executor is None:
         for _, args in tasks:
-            b, f = write_ranks(*args)
+            b, f, _, _ = write_ranks(*args)
             total_bytes += b
             files += f
     else:
+        mesh_ref, templates_ref = executor.share(mesh), executor.share(templates)
+        tasks = [(i, (a[0], a[1], mesh_ref, templates_ref, a[4], a[5])) for i, a in tasks]
         for _, result in executor.map(write_ranks, tasks):
             if isinstance(result, BaseException):
                 raise result
             total_bytes += result[0]
             files += result[1]
+            worker_cpu += result[2]
+            worker_rss = max(worker_rss, result[3])
     pp_stride = mesh.stride[MeshAxis.PP]
     ranks_per_stage = mesh.world // cfg.plan.pp
     comp_flops = sum(t.flops * ranks_per_stage for t in templates)
@@ -531,6 +545,8 @@ def write_trace_set(
         manifest["nodes_per_stage"],
         mesh.num_group_ids,
         warnings,
+        worker_cpu,
+        worker_rss,
     )
 
 

@@ -178,7 +178,7 @@ def _collective_wait_cycle(rank_events: dict[int, list[int]]) -> bool:
                 edges[prev].add(inst)
             prev = inst
     indeg: Counter = Counter()
-    for a, outs in edges.items():
+    for outs in edges.values():
         for b in outs:
             indeg[b] += 1
     ready = [n for n in edges if indeg[n] == 0]
