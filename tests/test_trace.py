@@ -243,9 +243,44 @@ def test_two_runs_are_byte_identical(tmp_path):
     assert not mismatch and not errors and len(match) == 8 + 2
 
 
-def test_interleaved_traces_are_refused_with_a_clear_error():
-    with pytest.raises(ConfigError, match="1F1B schedule only"):
-        tiny_cfg(ParallelPlan(dp=2, pp=2, schedule="interleaved", virtual_stages=2))
+def test_interleaved_trace_set(tmp_path):
+    """pp=2 with 2 chunks of one layer each: chunk 1 of stage 0 receives from stage 1."""
+    cfg = tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2))
+    write_trace_set(cfg, tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
+    _, nodes = decode(tmp_path / "trace.0.et")
+    recvs = [attrs(n) for n in nodes if n.type == pb.COMM_RECV_NODE]
+    # stage 0 receives from stage 1 (rank 4): chunk 1's activations (wrapping from the last
+    # stage), and the gradients of both its chunks: 3 messages per micro-batch
+    m = TINY_TRAIN.global_batch_size // 2
+    assert recvs and all(r["comm_src"] == 4 for r in recvs)
+    assert len(recvs) == 3 * m
+    with pytest.raises(ConfigError, match="divisible by pp"):
+        tiny_cfg(
+            ParallelPlan(dp=1, pp=2, schedule="interleaved", virtual_stages=2),
+            model=gpt(layers=6, hidden=256, heads=4, vocab=1024),
+            training=TrainingSpec(seq_len=128, global_batch_size=8),
+        )
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(4, 8, 1), (4, 8, 2), (2, 4, 3), (4, 4, 2)])
+def test_schedule_orders_cover_every_microbatch_chunk_once(pp, m, v):
+    from stage_dse.trace.build import schedule_order
+
+    for stage in range(pp):
+        order = schedule_order(stage, pp, m, v)
+        for phase in "FB":
+            got = sorted((mb, c) for p, mb, c in order if p == phase)
+            assert got == sorted((mb, c) for mb in range(m) for c in range(v))
+        # a backward never precedes its forward
+        seen = set()
+        for p, mb, c in order:
+            if p == "F":
+                seen.add((mb, c))
+            else:
+                assert (mb, c) in seen
 
 
 # ---------------------------------------------------------------------------- checker

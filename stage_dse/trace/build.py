@@ -16,7 +16,11 @@ Modelling choices, visible in ``manifest.json``:
 * data-parallel gradients accumulate over micro-batches and are synchronized once per step,
   layer by layer right after that layer's backward of the last micro-batch (bucketed overlap as
   in Megatron-LM and PyTorch DDP); ZeRO-2/3 reduce-scatter every micro-batch;
-* send/recv tags are ``2 * micro_batch + direction``: deterministic, unique per peer pair;
+* micro-batches follow 1F1B, or the interleaved schedule with ``virtual_stages`` model chunks
+  per stage (chunk ``c`` of stage ``s`` is virtual stage ``c * pp + s``; activations wrap from
+  the last stage to the first between chunks);
+* send/recv tags are ``2 * (micro_batch * chunks + sender's chunk) + direction``:
+  deterministic, unique per peer pair;
 * compute nodes depend on the previous compute node (one stream) and on the collectives whose
   results they consume; collectives depend on the compute that produced their input.
 """
@@ -82,10 +86,12 @@ class TraceConfig:
         if self.granularity not in ("segment", "op"):
             raise ConfigError(f"granularity={self.granularity!r} is not one of: segment, op")
         if self.plan.schedule is PipelineSchedule.INTERLEAVED:
-            raise ConfigError(
-                "plan.schedule=interleaved: traces are written for the 1F1B schedule only; "
-                "set schedule=1f1b"
-            )
+            chunks = self.plan.pp * self.plan.virtual_stages
+            if self.model.num_layers % chunks:
+                raise ConfigError(
+                    f"interleaved traces need layers({self.model.num_layers}) divisible by "
+                    f"pp({self.plan.pp})*virtual_stages({self.plan.virtual_stages})={chunks}"
+                )
 
 
 def stage_layers(layers: int, pp: int) -> list[int]:
@@ -296,6 +302,40 @@ def _emit_ops(prog: _Program, ops: list[Op], consumed: set[int], skip_step: bool
             prog.compute(op)
 
 
+def schedule_order(stage: int, pp: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """(phase, micro-batch, model chunk) in execution order on one pipeline stage.
+
+    ``v == 1``: 1F1B (PipeDream-Flush): ``pp - stage - 1`` warm-up forwards, then one forward
+    and one backward alternately, then the remaining backwards. ``v > 1``: the interleaved
+    schedule of Narayanan et al. SC21 sec. 2.2 (Megatron-LM's order): virtual micro-batch ``k``
+    runs chunk ``(k mod pp*v) div pp`` (backwards in reverse chunk order) of micro-batch
+    ``(k div pp*v) * pp + k mod pp``, with ``2 (pp - stage - 1) + (v - 1) pp`` warm-up forwards.
+    """
+    if v == 1:
+        warmup = min(pp - stage - 1, m)
+        fwd = [(i, 0) for i in range(m)]
+        bwd = [(i, 0) for i in range(m)]
+    else:
+        total = m * v
+        warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+
+        def virtual(k: int, forward: bool) -> tuple[int, int]:
+            in_group = k % (pp * v)
+            chunk = in_group // pp
+            if not forward:
+                chunk = v - 1 - chunk
+            return (k // (pp * v)) * pp + k % pp, chunk
+
+        fwd = [virtual(k, True) for k in range(total)]
+        bwd = [virtual(k, False) for k in range(total)]
+    n = len(fwd)
+    order = [("F", *fwd[k]) for k in range(warmup)]
+    for k in range(n - warmup):
+        order += [("F", *fwd[warmup + k]), ("B", *bwd[k])]
+    order += [("B", *bwd[k]) for k in range(n - warmup, n)]
+    return order
+
+
 def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     """Stage templates, the mesh with its groups, and the manifest facts of one config."""
     model, training, plan = cfg.model, cfg.training, cfg.plan
@@ -305,49 +345,67 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     numbers = _numbers(cfg, all_ops)
     consumed = {g: _consumed(g) for g in graphs.sections}
     m = plan.num_microbatches(training)
-    layers = stage_layers(model.num_layers, plan.pp)
+    pp, v = plan.pp, plan.virtual_stages
+    if v == 1:
+        layers = stage_layers(model.num_layers, pp)
+        chunk_layers = [[n] for n in layers]
+    else:
+        per_chunk = model.num_layers // (pp * v)
+        chunk_layers = [[per_chunk] * v for _ in range(pp)]
+        layers = [per_chunk * v] * pp
     boundary_bytes = numbers_boundary(cfg, graphs)
+    fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
+    bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
+    rerun = {g: _recomputed_ops(g, key.recompute) for g in graphs.sections}
+    step_sync = {
+        g: [
+            op
+            for op in g.ops
+            if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
+        ]
+        for g in graphs.sections
+    }
     mesh = Mesh(plan)
     templates = []
-    for s in range(plan.pp):
+    for s in range(pp):
         prog = _Program(cfg, numbers, 0)
-        first, last = s == 0, s == plan.pp - 1
-        sections: list[tuple[Graph, int]] = []
-        if first:
-            sections.append((graphs.embed, 1))
-        sections.append((graphs.block, layers[s]))
-        if last:
-            sections.append((graphs.head, 1))
-        fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
-        bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g, _ in sections}
-        rerun = {g: _recomputed_ops(g, key.recompute) for g, _ in sections}
-        step_sync = {
-            g: [
-                op
-                for op in g.ops
-                if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
-            ]
-            for g, _ in sections
-        }
-        warmup = min(plan.pp - s - 1, m)
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("F", warmup + i), ("B", i)]
-        order += [("B", i) for i in range(m - warmup, m)]
-        for phase, mb in order:
-            last_mb = mb == m - 1
+        chunks: list[list[tuple[Graph, int]]] = []
+        for c in range(v):
+            sections: list[tuple[Graph, int]] = []
+            if s == 0 and c == 0:
+                sections.append((graphs.embed, 1))
+            sections.append((graphs.block, chunk_layers[s][c]))
+            if s == pp - 1 and c == v - 1:
+                sections.append((graphs.head, 1))
+            chunks.append(sections)
+        backwards_done = [0] * v
+        for phase, mb, c in schedule_order(s, pp, m, v):
+            sections = chunks[c]
+            first_virtual = s == 0 and c == 0
+            last_virtual = s == pp - 1 and c == v - 1
+            # neighbours in the virtual pipeline: stage +-1, wrapping between chunks
+            prev_delta = -1 if s > 0 else pp - 1
+            next_delta = +1 if s < pp - 1 else -(pp - 1)
+            # a message's tag names the sender's chunk: 2 * (mb * v + chunk) + direction
+            own = 2 * (mb * v + c)
+            from_prev = 2 * (mb * v + (c if s > 0 else c - 1))
+            from_next = 2 * (mb * v + (c if s < pp - 1 else c + 1)) + 1
             if phase == "F":
-                if not first:
-                    prog.p2p(False, -1, boundary_bytes, 2 * mb, f"recv_activation:mb{mb}")
+                if not first_virtual:
+                    name = f"recv_activation:mb{mb}:c{c}"
+                    prog.p2p(False, prev_delta, boundary_bytes, from_prev, name)
                 for g, count in sections:
                     for _ in range(count):
                         _emit_ops(prog, fwd[g], consumed[g])
                 prog.flush()
-                if not last:
-                    prog.p2p(True, +1, boundary_bytes, 2 * mb, f"send_activation:mb{mb}")
+                if not last_virtual:
+                    prog.p2p(True, next_delta, boundary_bytes, own, f"send_activation:mb{mb}:c{c}")
             else:
-                if not last:
-                    prog.p2p(False, +1, boundary_bytes, 2 * mb + 1, f"recv_gradient:mb{mb}")
+                backwards_done[c] += 1
+                last_mb = backwards_done[c] == m
+                if not last_virtual:
+                    name = f"recv_gradient:mb{mb}:c{c}"
+                    prog.p2p(False, next_delta, boundary_bytes, from_next, name)
                 for g, count in reversed(sections):
                     for _ in range(count):
                         _emit_ops(prog, rerun[g], consumed[g])
@@ -357,17 +415,19 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                             for op in step_sync[g]:
                                 prog.collective(op, blocking=False, per_step=True)
                 prog.flush()
-                if not first:
-                    prog.p2p(True, -1, boundary_bytes, 2 * mb + 1, f"send_gradient:mb{mb}")
+                if not first_virtual:
+                    name = f"send_gradient:mb{mb}:c{c}"
+                    prog.p2p(True, prev_delta, boundary_bytes, own + 1, name)
         # optimizer step waits for every gradient synchronization, then ZeRO-1/2 gathers
         prog.pending_comm = list(prog.step_comm)
-        for g, count in sections:
+        all_sections = [sc for sections in chunks for sc in sections]
+        for g, count in all_sections:
             for _ in range(count):
                 for op in g.ops:
                     if op.kind is OpKind.OPTIMIZER:
                         prog.compute(op)
         prog.flush("optimizer_step")
-        for g, count in sections:
+        for g, count in all_sections:
             for _ in range(count):
                 for op in g.ops:
                     if op.is_comm and op.phase is Phase.OPTIMIZER:
@@ -381,12 +441,13 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     manifest = {
         "microbatches": m,
         "stage_layers": layers,
+        "model_chunks": v,
         "boundary_bytes": boundary_bytes,
         "granularity": cfg.granularity,
-        "schedule": "1f1b",
+        "schedule": "1f1b" if v == 1 else f"interleaved 1f1b, {v} chunks per stage",
         "gradient_sync": "once per step, per layer after its last backward (bucketed); "
         "ZeRO-2/3 reduce-scatter per micro-batch",
-        "send_recv_tags": "2 * micro_batch + (0 forward activation, 1 backward gradient)",
+        "send_recv_tags": "2 * (micro_batch * chunks + sender chunk) + (0 activation, 1 gradient)",
     }
     return mesh, templates, manifest
 
@@ -568,7 +629,10 @@ def analytic_flops(cfg: TraceConfig) -> int:
 
     m = cfg.plan.num_microbatches(cfg.training)
     per_rank_stage = []
-    layers = stage_layers(cfg.model.num_layers, cfg.plan.pp)
+    if cfg.plan.virtual_stages > 1:
+        layers = [cfg.model.num_layers // cfg.plan.pp] * cfg.plan.pp
+    else:
+        layers = stage_layers(cfg.model.num_layers, cfg.plan.pp)
     for s, n in enumerate(layers):
         f = n * (num(blk.compute_flops[mode]) * m + num(blk.optimizer_flops))
         if s == 0:
