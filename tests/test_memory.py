@@ -146,7 +146,7 @@ def test_zero_communication_volume(stage):
     training = TrainingSpec(seq_len=1024, global_batch_size=8)
     got = evaluate_plan(model, training, ParallelPlan(dp=8, zero_stage=stage))  # one micro-batch
     algo = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-    volume = sum(algo[k] * got[f"comm_{k}_cp-dp"] for k in algo if f"comm_{k}_cp-dp" in got)
+    volume = sum(algo[k] * got[f"comm_{k}_cp-ep-dp"] for k in algo if f"comm_{k}_cp-ep-dp" in got)
     psi_bytes = 2 * got["params_total"]
     expected = 3 * psi_bytes - 2 * got["params_embedding"] if stage == 3 else 2 * psi_bytes
     assert volume == pytest.approx(expected, rel=1e-12)

@@ -121,8 +121,8 @@ def test_collective_groups_per_strategy():
         "comm_reduce_scatter_tp",
         "comm_all_gather_cp",
         "comm_reduce_scatter_cp",
-        "comm_reduce_scatter_cp-dp",
-        "comm_all_gather_cp-dp",
+        "comm_reduce_scatter_cp-ep-dp",
+        "comm_all_gather_cp-ep-dp",
         "comm_send_recv_pp",
     } <= comm
     # sequence parallelism replaces the tensor-parallel all-reduces of the layers

@@ -24,7 +24,7 @@ from stage_dse.spec import (
     validate_plan,
 )
 
-__all__ = ["bind", "bind_hardware", "evaluate_plan"]
+__all__ = ["bind", "bind_hardware", "evaluate_plan", "moe_values"]
 
 
 def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[str, float]:
@@ -40,6 +40,7 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         "vocab": model.vocab_size,
         "layers": model.num_layers,
         "positions": model.max_positions or training.seq_len,
+        **moe_values(model),
         "global_batch": training.global_batch_size,
         "dp": plan.dp,
         "tp": plan.tp,
@@ -47,6 +48,18 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         "cp": plan.cp,
         "ep": plan.ep,
         "virtual_stages": plan.virtual_stages,
+    }
+
+
+def moe_values(model: ModelSpec) -> dict[str, float]:
+    """Mixture-of-experts symbols (neutral values for a dense model, whose graph has none)."""
+    return {
+        "experts": model.num_experts or 1,
+        "top_k": model.top_k or 1,
+        "moe_ffn": model.moe_ffn_hidden_size or 1,
+        "shared_experts": model.num_shared_experts,
+        "capacity_factor": float(model.capacity_factor),
+        "dense_layers": model.first_dense_layers,
     }
 
 

@@ -68,7 +68,7 @@ MESH_ORDER = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
 
 
 def group_label(group: Iterable[MeshAxis]) -> str:
-    """Canonical name of a communicator group kind, e.g. ``tp`` or ``cp-dp``."""
+    """Canonical name of a communicator group kind, e.g. ``tp`` or ``cp-ep-dp``."""
     members = set(group)
     return "-".join(m.value for m in MESH_ORDER if m in members)
 

@@ -22,6 +22,10 @@ def _real(name: str) -> sp.Symbol:
     return sp.Symbol(name, positive=True)
 
 
+def _count(name: str) -> sp.Symbol:
+    return sp.Symbol(name, integer=True, nonnegative=True)
+
+
 class Symbols:
     """Namespace of the symbols (attribute names are the column names used for binding)."""
 
@@ -36,6 +40,13 @@ class Symbols:
     vocab = _sym("vocab")
     layers = _sym("layers")
     positions = _sym("positions")
+    # mixture of experts (bound to neutral values for dense models, where they do not appear)
+    experts = _sym("experts")
+    top_k = _sym("top_k")
+    moe_ffn = _sym("moe_ffn")
+    shared_experts = _count("shared_experts")
+    capacity_factor = _real("capacity_factor")
+    dense_layers = _count("dense_layers")
     # step
     global_batch = _sym("global_batch")
     # parallel degrees
@@ -94,11 +105,13 @@ HARDWARE_SYMBOLS = (
 """Symbols bound from ``HardwareSpec`` and ``ClusterSpec`` (all others come from the model,
 training step and plan)."""
 
-DEGREE: dict[MeshAxis, sp.Symbol] = {
-    MeshAxis.DP: S.dp,
+DEGREE: dict[MeshAxis, sp.Expr] = {
+    # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis holds the
+    # dp / ep replicas of each expert shard, so DP x EP spans all dp data-parallel ranks
+    MeshAxis.DP: S.dp / S.ep,
     MeshAxis.TP: S.tp,
     MeshAxis.PP: S.pp,
     MeshAxis.CP: S.cp,
     MeshAxis.EP: S.ep,
 }
-"""Symbol of the size of each mesh axis."""
+"""Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep`` a factor of it)."""

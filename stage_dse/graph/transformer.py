@@ -46,9 +46,13 @@ from stage_dse.spec import (
 
 __all__ = ["DIMS", "GraphKey", "ModelGraphs", "build_graphs", "graph_key"]
 
-DP, TP, CP = MeshAxis.DP, MeshAxis.TP, MeshAxis.CP
-DATA_AXES = (DP, CP)
-"""Axes over which gradients are reduced and ZeRO shards states (Megatron: the dp x cp group)."""
+DP, TP, CP, EP = MeshAxis.DP, MeshAxis.TP, MeshAxis.CP, MeshAxis.EP
+DATA_AXES = (DP, EP, CP)
+"""Axes over which dense gradients are reduced and ZeRO shards states (Megatron: dp x cp)."""
+EXPERT_DATA_AXES = (DP, CP)
+"""Expert weights are split over EP already: their replicas live on the DP (and CP) axes."""
+BATCH = (DP, EP)
+"""The batch is split over every data-parallel rank (EP is a factor of the data-parallel size)."""
 
 
 class DIMS:
@@ -127,9 +131,9 @@ class _Builder:
     @property
     def act(self) -> tuple[tuple[MeshAxis, ...], ...]:
         seq = (CP, TP) if self.k.sequence_parallel else (CP,)
-        return ((DP,), seq, ())
+        return (BATCH, seq, ())
 
-    full = ((DP,), (CP,), ())
+    full = (BATCH, (CP,), ())
 
     def w(self, name: str, axes, layout) -> Tensor:
         return self.g.weight(
@@ -231,12 +235,12 @@ class _Builder:
         g = self.g
         Bt, Sq, H, V, P = DIMS.batch, DIMS.seq, DIMS.hidden, DIMS.vocab, DIMS.positions
         with g.scope(Scope.EMBED):
-            ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [(DP,), (CP,)], 8)
+            ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
             table = self.w("word_embeddings", [V, H], [(TP,), ()])
             x = g.embedding("word_embedding", ids, table, V, [Bt, Sq, H])
             x = g.redistribute(x, self.act)
             if self.k.position is PositionKind.LEARNED:
-                pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [(DP,), (CP,)], 8)
+                pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
                 pos_table = self.w("position_embeddings", [P, H], [(), ()])
                 pos = g.embedding("position_embedding", pos_ids, pos_table, P, [Bt, Sq, H])
                 pos = g.redistribute(pos, self.act)

@@ -110,7 +110,7 @@ RESULT_SCHEMA = pa.schema(_fields)
 
 
 def _axis_of(group_label: str) -> str:
-    """The parallel axis a communicator group serves: data groups (dp, cp-dp) count as dp."""
+    """The parallel axis a communicator group serves: data groups (dp, cp-ep-dp) count as dp."""
     parts = group_label.split("-")
     if "dp" in parts:
         return "dp"

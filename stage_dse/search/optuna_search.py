@@ -239,7 +239,7 @@ def run_optuna(
 
 def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
     """Configuration columns of a plan that failed validation (recorded as an invalid row)."""
-    from stage_dse.cost.bind import bind_hardware
+    from stage_dse.cost.bind import bind_hardware, moe_values
     from stage_dse.cost.table import model_columns
 
     mp = p["tp"] * p["pp"] * p["cp"]
@@ -261,6 +261,7 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "vocab": model.vocab_size,
             "layers": model.num_layers,
             "positions": model.max_positions or spec.training.seq_len,
+            **moe_values(model),
             "global_batch": spec.training.global_batch_size,
             "dp": p["num_gpus"] // mp if p["num_gpus"] % mp == 0 else 0,
             "tp": p["tp"],

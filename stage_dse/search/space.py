@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.bind import bind_hardware
+from stage_dse.cost.bind import bind_hardware, moe_values
 from stage_dse.cost.table import model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
@@ -223,6 +223,7 @@ def enumerate_plans(
         "vocab": V,
         "layers": L,
         "positions": model.max_positions or s,
+        **moe_values(model),
         "global_batch": B,
         "ep": 1,
         **bind_hardware(hardware, cluster),

@@ -40,7 +40,7 @@ class PositionKind(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A dense decoder-only transformer.
+    """A decoder-only transformer: dense, or mixture-of-experts when ``num_experts > 0``.
 
     Every size is a count (no units); byte sizes come from the dtypes of ``TrainingSpec``.
     """
@@ -72,6 +72,19 @@ class ModelSpec:
     """Linear layers carry biases."""
     dropout: bool = True
     """Dropout on attention probabilities, attention/MLP outputs, embeddings (1-byte masks)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Inner width of one expert (SwiGLU); 0 means ``ffn_hidden_size``."""
+    num_shared_experts: int = 0
+    """Experts every token passes through (DeepSeek-style), each of ``moe_ffn_hidden_size``."""
+    first_dense_layers: int = 0
+    """The first k layers use a dense MLP of ``ffn_hidden_size`` (DeepSeek-V3: 3)."""
+    capacity_factor: float = 1.0
+    """Tokens an expert processes relative to a perfectly balanced share (routing is assumed
+    balanced; > 1 pads every expert to that capacity)."""
 
     def __post_init__(self) -> None:
         owner = "model"
@@ -95,11 +108,42 @@ class ModelSpec:
                     f"model.hidden_size({self.hidden_size}); set model.head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for field in ("num_experts", "top_k", "moe_ffn_hidden_size", "num_shared_experts",
+                      "first_dense_layers"):  # fmt: skip
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ConfigError(
+                    f"model.top_k({self.top_k}) must be in 1..num_experts({self.num_experts})"
+                )
+            if self.mlp is not MlpKind.SWIGLU:
+                raise ConfigError("model.num_experts > 0 needs mlp=swiglu (experts are SwiGLU)")
+            if self.first_dense_layers >= self.num_layers:
+                raise ConfigError(
+                    f"model.first_dense_layers({self.first_dense_layers}) must be < "
+                    f"num_layers({self.num_layers})"
+                )
+            if self.moe_ffn_hidden_size == 0:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if not (isinstance(self.capacity_factor, int | float) and self.capacity_factor >= 1):
+                raise ConfigError(
+                    f"model.capacity_factor must be a number >= 1, got {self.capacity_factor!r}"
+                )
+        elif self.top_k or self.num_shared_experts or self.first_dense_layers:
+            raise ConfigError(
+                "model.top_k/num_shared_experts/first_dense_layers need num_experts > 0"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_kv_heads({self.num_kv_heads}) does not divide "
                 f"model.num_heads({self.num_heads})"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def gqa_group_size(self) -> int:

@@ -85,7 +85,11 @@ class ParallelPlan:
     cp: int = 1
     """Context-parallel size: the sequence is split, K/V exchanged in a ring."""
     ep: int = 1
-    """Expert-parallel size (MoE models only); shares the data-parallel ranks."""
+    """Expert-parallel size (MoE models only): experts are split over ``ep`` of the ``dp``
+    data-parallel ranks (ep divides dp), as Megatron-LM and DeepSpeed-MoE do."""
+    expert_tensor_parallel: bool = False
+    """Experts split over the tensor-parallel group too (ETP = tp); off, each tensor-parallel
+    rank runs whole experts on its own tokens (ETP = 1)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms/dropout split over the sequence on the TP group."""
     zero_stage: int = 0
@@ -116,6 +120,7 @@ class ParallelPlan:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for flag in (
+            "expert_tensor_parallel",
             "sequence_parallel",
             "overlap_grad_reduce",
             "overlap_param_gather",
@@ -203,10 +208,25 @@ def validate_plan(
             f"tp({plan.tp})*cp({plan.cp})={plan.tp * plan.cp} does not divide "
             f"seq({training.seq_len}) (sequence parallelism splits the sequence over tp)"
         )
-    if plan.ep != 1:
-        raise ConfigError(
-            f"ep({plan.ep}) > 1 needs a mixture-of-experts model; {model.name} is dense"
-        )
+    if not model.is_moe:
+        if plan.ep != 1:
+            raise ConfigError(
+                f"ep({plan.ep}) > 1 needs a mixture-of-experts model; {model.name} is dense"
+            )
+        if plan.expert_tensor_parallel:
+            raise ConfigError("plan.expert_tensor_parallel needs a mixture-of-experts model")
+    else:
+        divides("ep", plan.ep, "experts", model.num_experts)
+        divides("ep", plan.ep, "dp", plan.dp)
+        if plan.tp > 1 and not plan.sequence_parallel:
+            raise ConfigError(
+                f"tp({plan.tp}) > 1 with experts needs sequence_parallel=true "
+                "(tokens are split over the tensor-parallel group before routing)"
+            )
+        if plan.expert_tensor_parallel and model.moe_ffn_hidden_size % plan.tp:
+            raise ConfigError(
+                f"tp({plan.tp}) does not divide moe_ffn_hidden_size({model.moe_ffn_hidden_size})"
+            )
     per_step = plan.dp * plan.micro_batch_size
     if training.global_batch_size % per_step:
         raise ConfigError(

@@ -181,7 +181,7 @@ class _Program:
             MeshAxis.TP: cfg.plan.tp,
             MeshAxis.CP: cfg.plan.cp,
             MeshAxis.EP: cfg.plan.ep,
-            MeshAxis.DP: cfg.plan.dp,
+            MeshAxis.DP: cfg.plan.dp // cfg.plan.ep,
             MeshAxis.PP: cfg.plan.pp,
         }
         self.group_size = lambda group: int(np.prod([degree[a] for a in group]))

@@ -33,8 +33,8 @@ class Mesh:
         self.degree = {
             MeshAxis.TP: p.tp,
             MeshAxis.CP: p.cp,
-            MeshAxis.EP: 1,
-            MeshAxis.DP: p.dp,
+            MeshAxis.EP: p.ep,
+            MeshAxis.DP: p.dp // p.ep,  # EP is carved out of the data-parallel ranks
             MeshAxis.PP: p.pp,
         }
         self.order = p.rank_order
