@@ -39,6 +39,12 @@ class ModelConf:
     tied_embeddings: bool = True
     bias: bool = True
     dropout: bool = True
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    capacity_factor: float = 1.0
 
 
 @dataclass
@@ -88,6 +94,9 @@ class PlanConf:
     tp: Any = "auto"
     pp: Any = "auto"
     cp: Any = field(default_factory=lambda: [1])
+    ep: Any = field(default_factory=lambda: [1])
+    """Expert-parallel sizes (MoE models): a list or ``auto`` (divisors of the expert count)."""
+    expert_tensor_parallel: list[bool] = field(default_factory=lambda: [False])
     micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
@@ -183,13 +192,14 @@ def _spec(kind: str, factory, data: dict) -> Any:
 
 def to_search_space(plan: dict) -> SearchSpace:
     data = dict(plan)
-    for name in ("tp", "pp", "cp"):
+    for name in ("tp", "pp", "cp", "ep"):
         v = data[name]
         if isinstance(v, int) and not isinstance(v, bool):
             data[name] = [v]
         elif isinstance(v, str) and v != "auto":
             raise ConfigError(f"plan.{name}={v!r}: give an integer, a list of integers or 'auto'")
     for name in (
+        "expert_tensor_parallel",
         "micro_batch_size",
         "zero_stage",
         "recompute",

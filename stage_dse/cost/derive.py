@@ -44,7 +44,7 @@ from stage_dse.graph.core import (
     Tensor,
 )
 from stage_dse.graph.symbols import DEGREE, S
-from stage_dse.graph.transformer import GraphKey, ModelGraphs, build_graphs, graph_key
+from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
 from stage_dse.spec import (
     MeshAxis,
     ModelSpec,
@@ -180,6 +180,10 @@ class SectionCosts:
 
     params: sp.Expr
     """Parameters (global count)."""
+    expert_params: sp.Expr
+    """Parameters of routed experts (global count)."""
+    expert_model_parallel_numel: sp.Expr
+    """Routed-expert parameter elements per GPU before data-parallel (ZeRO) sharding."""
     weights_numel: sp.Expr
     """Parameter elements stored per GPU (after ZeRO-3 sharding)."""
     model_parallel_numel: sp.Expr
@@ -205,6 +209,9 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     params = _sum([w.numel for w in unique])
     weights_numel = _sum([w.local_numel for w in stored])
     mp_numel = _sum([compute_of.get(w, w).local_numel for w in stored])
+    experts = [w for w in stored if DIMS.experts in w.axes]
+    expert_params = _sum([w.numel for w in experts])
+    expert_mp = _sum([compute_of.get(w, w).local_numel for w in experts])
 
     kept: dict[Recompute, sp.Expr] = {}
     working: dict[Recompute, sp.Expr] = {}
@@ -247,6 +254,8 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
             per_mb[key][mode] += size
     return SectionCosts(
         params=params,
+        expert_params=expert_params,
+        expert_model_parallel_numel=expert_mp,
         weights_numel=weights_numel,
         model_parallel_numel=mp_numel,
         kept_bytes=kept,
@@ -334,6 +343,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     mode = key.recompute
     emb = section_costs(graphs.embed)
     blk = section_costs(graphs.block)
+    dns = section_costs(graphs.dense) if graphs.dense is not None else None
     head = section_costs(graphs.head, tied_copy=graphs.tied_head_weight)
 
     L, pp, v = S.layers, S.pp, S.virtual_stages
@@ -342,15 +352,39 @@ def _derive(key: CostKey) -> TrainingCosts:
     single = _is_one(pp)
     multi = 1 - single
     data = S.dp * S.cp
+    expert_data = S.dp / S.ep * S.cp
     zero = key.graph.zero_stage
+    # layers: dense ones (a mixture-of-experts model may start with them) sit on the first stage
+    dense_total = S.dense_layers if dns is not None else sp.Integer(0)
+    block_total = L - dense_total
+    dense_first = _min(dense_total, per_stage) if dns is not None else sp.Integer(0)
+    block_first = per_stage - dense_first
+    # (section, count) of the whole model, the first stage and the last stage
+    whole = [(emb, 1), (blk, block_total), (head, 1)]
+    first_parts = [(emb, 1), (blk, block_first), (head, single)]
+    last_parts = [(blk, per_stage), (head, 1)]
+    if dns is not None:
+        whole.insert(1, (dns, dense_total))
+        first_parts.insert(1, (dns, dense_first))
 
-    params_total = emb.params + L * blk.params + head.params
+    def total(parts, attr: str, sub=None) -> sp.Expr:
+        out = []
+        for sec, count in parts:
+            value = getattr(sec, attr)
+            out.append(count * (value[sub] if sub is not None else value))
+        return _sum(out)
+
+    params_total = total(whole, "params")
+    experts_total = total(whole, "expert_params")
     params = {
         "embedding": emb.params,
-        "layers": L * blk.params,
+        "layers": params_total - emb.params - head.params,
         "head": head.params,
         "total": params_total,
     }
+    if key.graph.moe:
+        # each token runs top_k of the routed experts
+        params["active"] = params_total - experts_total * (1 - S.top_k / S.experts)
 
     # head weights held on the first stage only when pp == 1 (a tied head adds no parameter)
     head_unique_numel = head.weights_numel
@@ -361,35 +395,43 @@ def _derive(key: CostKey) -> TrainingCosts:
         head_unique_numel -= tied.local_numel
         head_unique_mp -= compute_of.get(tied, tied).local_numel
 
-    def states(numel: sp.Expr, mp_numel: sp.Expr) -> dict[str, sp.Expr]:
+    def states(parts, head_numel, head_mp) -> dict[str, sp.Expr]:
         pb, gb, ob = (
             key.graph.param_bytes,
             key.graph.grad_bytes,
             key.graph.optimizer_bytes_per_param,
         )
+        body = [(sec, c) for sec, c in parts if sec is not head]
+        head_count = next((c for sec, c in parts if sec is head), 0)
+        numel = total(body, "weights_numel") + head_count * head_numel
+        mp = total(body, "model_parallel_numel") + head_count * head_mp
+        # expert states are replicated over the dp/ep x cp ranks only (EP already splits them)
+        expert = total(body, "expert_model_parallel_numel")
+        dense = mp - expert
+
+        def sharded(n_dense, n_expert, on: bool) -> sp.Expr:
+            return n_dense / data + n_expert / expert_data if on else n_dense + n_expert
+
         return {
             "weights": numel * pb,
-            "grads": mp_numel * gb / (data if zero >= 2 else 1),
-            "optimizer": mp_numel * ob / (data if zero >= 1 else 1),
+            "grads": sharded(dense, expert, zero >= 2) * gb,
+            "optimizer": sharded(dense, expert, zero >= 1) * ob,
         }
 
-    first_states = states(
-        per_stage * blk.weights_numel + emb.weights_numel + single * head_unique_numel,
-        per_stage * blk.model_parallel_numel + emb.model_parallel_numel + single * head_unique_mp,
-    )
-    last_states = states(
-        per_stage * blk.weights_numel + head.weights_numel,
-        per_stage * blk.model_parallel_numel + head.model_parallel_numel,
-    )
+    first_states = states(first_parts, head_unique_numel, head_unique_mp)
+    last_states = states(last_parts, head.weights_numel, head.model_parallel_numel)
     inflight = _min(pp, m)
     if key.schedule is PipelineSchedule.INTERLEAVED:
         inflight = inflight * (1 + (pp - 1) / (pp * v))
     working = blk.recompute_working_bytes[mode]
+    if dns is not None:
+        working = _max(working, dns.recompute_working_bytes[mode])
     first_act = (
-        inflight * (per_stage * blk.kept_bytes[mode] + emb.kept_bytes[mode])
+        inflight
+        * total([(sec, c) for sec, c in first_parts if sec is not head], "kept_bytes", mode)
         + single * head.kept_bytes[mode]
     )
-    last_act = per_stage * blk.kept_bytes[mode] + head.kept_bytes[mode]
+    last_act = total(last_parts, "kept_bytes", mode)
     first = {**first_states, "activations": first_act, "recompute_working": working}
     last = {**last_states, "activations": last_act, "recompute_working": working}
     first_total = _sum(first.values())
@@ -401,49 +443,29 @@ def _derive(key: CostKey) -> TrainingCosts:
     memory["last_stage_total"] = _sum(last.values())
 
     # flops per step over all GPUs (matmuls: forward x 3 is the "model flops" of MFU)
-    model_flops = (
-        3
-        * m
-        * (
-            emb.matmul_fwd_global_flops
-            + L * blk.matmul_fwd_global_flops
-            + head.matmul_fwd_global_flops
-        )
-    )
-    hw_flops = m * (
-        emb.hardware_global_flops[mode]
-        + L * blk.hardware_global_flops[mode]
-        + head.hardware_global_flops[mode]
-    )
-    rerun_blk = blk.hardware_global_flops[mode] - blk.hardware_global_flops[Recompute.NONE]
-    mm_flops = m * (
-        emb.matmul_global_flops[mode]
-        + L * blk.matmul_global_flops[mode]
-        + head.matmul_global_flops[mode]
-    )
+    model_flops = 3 * m * total(whole, "matmul_fwd_global_flops")
+    hw_flops = m * total(whole, "hardware_global_flops", mode)
+    recompute = hw_flops - m * total(whole, "hardware_global_flops", Recompute.NONE)
     flops = {
         "model": model_flops,
-        "matmul": mm_flops,
-        "recompute": m * L * rerun_blk,
+        "matmul": m * total(whole, "matmul_global_flops", mode),
+        "recompute": recompute,
         "hardware": hw_flops,
         "total": hw_flops,
     }
 
     # per-GPU per-micro-batch work of the stages (time model input)
     stage = {
-        "first_flops": per_stage * blk.compute_flops[mode]
-        + emb.compute_flops[mode]
-        + single * head.compute_flops[mode],
-        "last_flops": per_stage * blk.compute_flops[mode] + head.compute_flops[mode],
+        "first_flops": total(first_parts, "compute_flops", mode),
+        "last_flops": total(last_parts, "compute_flops", mode),
         "layers": per_stage,
         "microbatches": m,
         "boundary_bytes": graphs.boundary.local_bytes,
     }
 
-    # communication per GPU per step on the heaviest stage (sum of first and last stage
-    # sections when pp == 1; a middle stage's block comm otherwise)
+    # communication per GPU per step on the first stage (all of it when pp == 1)
     comm: dict[str, sp.Expr] = defaultdict(lambda: sp.Integer(0))
-    for sec, mult in ((blk, per_stage), (emb, 1), (head, single)):
+    for sec, mult in first_parts:
         for (kind, group), by_mode in sec.comm_per_microbatch.items():
             comm[f"{kind.value}_{group_label(group)}"] += mult * m * by_mode[mode]
         for (kind, group), size in sec.comm_per_step.items():

@@ -44,9 +44,20 @@ __all__ = [
     "plans_table",
 ]
 
-MODEL_KEY_COLUMNS = ("norm", "mlp", "position", "tied_embeddings", "bias", "dropout")
+MODEL_KEY_COLUMNS = (
+    "norm",
+    "mlp",
+    "position",
+    "tied_embeddings",
+    "bias",
+    "dropout",
+    "moe",
+    "has_shared_experts",
+    "has_dense_layers",
+)
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
+    "expert_tensor_parallel",
     "sequence_parallel",
     "attention",
     "zero_stage",
@@ -77,6 +88,10 @@ def key_from_values(v: dict) -> CostKey:
         param_bytes=int(v["param_bytes"]),
         grad_bytes=int(v["grad_bytes"]),
         optimizer_bytes_per_param=int(v["optimizer_bytes_per_param"]),
+        moe=bool(v["moe"]),
+        shared_experts=bool(v["has_shared_experts"]),
+        dense_layers=bool(v["has_dense_layers"]),
+        expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
     )
     return CostKey(
         graph=graph,
@@ -99,6 +114,9 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "tied_embeddings": model.tied_embeddings,
         "bias": model.bias,
         "dropout": model.dropout,
+        "moe": model.is_moe,
+        "has_shared_experts": model.num_shared_experts > 0,
+        "has_dense_layers": model.is_moe and model.first_dense_layers > 0,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,
@@ -122,6 +140,7 @@ def plan_row(
     row.update(
         {
             "num_gpus": plan.num_gpus,
+            "expert_tensor_parallel": plan.expert_tensor_parallel,
             "sequence_parallel": plan.sequence_parallel,
             "attention": plan.attention.value,
             "zero_stage": plan.zero_stage,

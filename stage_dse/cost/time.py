@@ -202,6 +202,8 @@ class SectionTime:
     attention: sp.Expr
     tp_comm: sp.Expr
     cp_comm: sp.Expr
+    ep_comm: sp.Expr
+    """Expert-parallel all-to-all (dispatch and combine): on the critical path."""
     zero_comm: sp.Expr
     """Per-micro-batch collectives over the data axes (ZeRO-2/3)."""
     grad_sync_step: sp.Expr
@@ -228,10 +230,12 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
                     name = "zero_comm"
             elif op.group == {MeshAxis.CP}:
                 name = "cp_comm"
+            elif MeshAxis.EP in op.group:
+                name = "ep_comm"
             else:
                 name = "tp_comm"
             acc[name].append(t)
-            if name in ("tp_comm", "cp_comm"):
+            if name in ("tp_comm", "cp_comm", "ep_comm"):
                 phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
                 acc[phase].append(t)
             continue
@@ -252,6 +256,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
         attention=_sum(acc["attention"]),
         tp_comm=_sum(acc["tp_comm"]),
         cp_comm=_sum(acc["cp_comm"]),
+        ep_comm=_sum(acc["ep_comm"]),
         zero_comm=_sum(acc["zero_comm"]),
         grad_sync_step=_sum(acc["grad_sync_step"]),
         param_gather_step=_sum(acc["param_gather_step"]),
@@ -290,15 +295,18 @@ def _derive_time(key: CostKey) -> Program:
         return sym
 
     sections = {}
-    for label, graph in zip(("emb", "blk", "head"), graphs.sections):
+    labels = ("emb", "dns", "blk", "head") if graphs.dense is not None else ("emb", "blk", "head")
+    for label, graph in zip(labels, graphs.sections):
         st = section_time(graph, key)
         sections[label] = SectionTime(
             **{f: define(f"{label}_{f}", getattr(st, f)) for f in SectionTime.__dataclass_fields__}
         )
     emb, blk, head = sections["emb"], sections["blk"], sections["head"]
+    dns = sections.get("dns")
     L, pp, v = S.layers, S.pp, S.virtual_stages
     per_stage = sp.ceiling(L / pp)
     single = _max(0, 2 - pp)
+    dense_first = _min(S.dense_layers, per_stage) if dns is not None else sp.Integer(0)
     m = S.global_batch / (S.dp * S.micro_batch)
 
     def stage(label: str, parts: list[tuple[SectionTime, sp.Expr]]) -> dict[str, sp.Expr]:
@@ -316,6 +324,7 @@ def _derive_time(key: CostKey) -> Program:
             "fwd": fwd,
             "bwd": bwd,
             "tp": define(f"{label}_tp", tp),
+            "ep": define(f"{label}_ep", tot("ep_comm")),
             "cp": define(f"{label}_cp", _max(0, tot("cp_comm") - tot("attention"))),
             "zero": define(f"{label}_zero", _max(0, tot("zero_comm") - compute)),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
@@ -323,7 +332,10 @@ def _derive_time(key: CostKey) -> Program:
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
         }
 
-    first = stage("first", [(blk, per_stage), (emb, 1), (head, single)])
+    first_parts = [(blk, per_stage - dense_first), (emb, 1), (head, single)]
+    if dns is not None:
+        first_parts.append((dns, dense_first))
+    first = stage("first", first_parts)
     last = stage("last", [(blk, per_stage), (head, 1)])
     # Each micro-batch crosses a stage boundary forward and backward once per model chunk.
     # Without sequence parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al.
@@ -341,7 +353,7 @@ def _derive_time(key: CostKey) -> Program:
     p2p = define("p2p", 2 * chunks * hop)
 
     def mb_time(st: dict[str, sp.Expr]) -> sp.Expr:
-        return st["compute"] + st["tp"] + st["cp"] + st["zero"] + p2p
+        return st["compute"] + st["tp"] + st["ep"] + st["cp"] + st["zero"] + p2p
 
     t_first = define("t_mb_first", mb_time(first))
     t_last = define("t_mb_last", mb_time(last))
@@ -362,6 +374,7 @@ def _derive_time(key: CostKey) -> Program:
     out: dict[str, sp.Expr] = {
         "compute_s": m * pick("compute"),
         "tp_comm_s": m * pick("tp"),
+        "ep_comm_s": m * pick("ep"),
         "cp_comm_s": m * pick("cp"),
         "zero_comm_s": m * pick("zero"),
         "pp_comm_s": m * p2p,

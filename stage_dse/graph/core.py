@@ -108,6 +108,8 @@ class OpKind(StrEnum):
     COLLECTIVE = "collective"
     VIEW = "view"
     """Same data under other axis names (e.g. the key-side sequence axis); free."""
+    PERMUTE = "permute"
+    """Rows copied into another arrangement (MoE token dispatch and combine)."""
     OPTIMIZER = "optimizer"
 
 
@@ -422,6 +424,39 @@ class Graph:
             t = op.inputs[0]
             op = self.producer.get(t)
         return t
+
+    def permute(
+        self,
+        name: str,
+        x: Tensor,
+        axes: Sequence[Axis],
+        layout: Sequence[Sequence[MeshAxis]],
+        *,
+        weights: Tensor | None = None,
+        flops_per_elem: int = 0,
+    ) -> Tensor:
+        """Copy rows of ``x`` into a tensor of other axes (token dispatch to experts, or the
+        weighted combine back, with ``weights`` the routing probabilities). Local: the layout
+        must keep every mesh axis on the rows' origin."""
+        out = self.tensor(name, Role.ACTIVATION, axes, layout, x.dtype_bytes)
+        assert not x.partial
+        inputs = (x,) if weights is None else (x, weights)
+        self._record(
+            Op(
+                kind=OpKind.PERMUTE,
+                name=name,
+                inputs=inputs,
+                outputs=(out,),
+                phase=Phase.FORWARD,
+                scope=self._scope,
+                region=self._region,
+                flops=flops_per_elem * out.local_numel,
+                global_flops=flops_per_elem * out.numel,
+                bytes=sum((t.local_bytes for t in inputs), sp.Integer(0)) + out.local_bytes,
+                saved=(() if weights is None else (x, weights)),
+            )
+        )
+        return out
 
     def view(self, x: Tensor, axes: Sequence[Axis]) -> Tensor:
         """The same data indexed by other axes of equal extents (no copy, no cost)."""
@@ -835,6 +870,34 @@ class Graph:
             (x,), (y,) = op.inputs, op.outputs
             g = grads[y]
             self._accumulate(grads, x, self._grad_like(x, g.layout, g.partial))
+            return
+        if kind is OpKind.PERMUTE:
+            (y,) = op.outputs
+            dy = self._resolved(grads, y)
+            x = op.inputs[0]
+            dx = self._grad_like(x, x.layout)
+            outs = [dx]
+            if len(op.inputs) > 1:  # combine: gradient of the routing weights too
+                w = op.inputs[1]
+                outs.append(self._grad_like(w, w.layout))
+            self._record(
+                Op(
+                    kind=OpKind.PERMUTE,
+                    name=f"d_{op.name}",
+                    inputs=(dy, *(self._need(t, regathered) for t in op.saved)),
+                    outputs=tuple(outs),
+                    phase=Phase.BACKWARD,
+                    scope=self._scope,
+                    region=self._region,
+                    flops=2 * op.flops,
+                    global_flops=2 * op.global_flops,
+                    bytes=dy.local_bytes
+                    + sum((t.local_bytes for t in op.saved), sp.Integer(0))
+                    + sum((t.local_bytes for t in outs), sp.Integer(0)),
+                )
+            )
+            for t, d in zip(op.inputs, outs):
+                self._accumulate(grads, t, d)
             return
         if kind is OpKind.COLLECTIVE:
             (x,), (y,) = op.inputs, op.outputs

@@ -68,6 +68,11 @@ class DIMS:
     head_dim = Axis("d", S.head_dim)
     vocab = Axis("v", S.vocab)
     positions = Axis("p", S.positions)
+    experts = Axis("e", S.experts)
+    capacity = Axis("c", S.capacity_factor * S.top_k * S.micro_batch * S.dp * S.seq / S.experts)
+    """Token slots per expert per micro-batch over the whole mesh: capacity x balanced share."""
+    moe_ffn = Axis("fe", S.moe_ffn)
+    shared_ffn = Axis("fs", S.shared_experts * S.moe_ffn)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,11 @@ class GraphKey:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes_per_param: int
+    moe: bool = False
+    shared_experts: bool = False
+    dense_layers: bool = False
+    """The model starts with dense layers (a second block section)."""
+    expert_tensor_parallel: bool = False
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -102,6 +112,10 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         param_bytes=training.params_dtype.bytes,
         grad_bytes=training.grads_dtype.bytes,
         optimizer_bytes_per_param=training.optimizer_bytes_per_param,
+        moe=model.is_moe,
+        shared_experts=model.num_shared_experts > 0,
+        dense_layers=model.first_dense_layers > 0,
+        expert_tensor_parallel=plan.expert_tensor_parallel,
     )
 
 
@@ -115,9 +129,14 @@ class ModelGraphs:
     """Activation passed between pipeline stages (per micro-batch), in its layout."""
     tied_head_weight: Tensor | None
     """The head's copy of the word embeddings when they are tied (not a separate parameter)."""
+    dense: Graph | None = None
+    """A dense layer of a mixture-of-experts model that starts with dense layers."""
 
     @property
-    def sections(self) -> tuple[Graph, Graph, Graph]:
+    def sections(self) -> tuple[Graph, ...]:
+        """embed, [dense layer,] layer, head: in pipeline order."""
+        if self.dense is not None:
+            return self.embed, self.dense, self.block, self.head
         return self.embed, self.block, self.head
 
 
@@ -145,6 +164,83 @@ class _Builder:
             fsdp=self.k.zero_stage == 3,
         )
 
+    def w_expert(self, name: str, axes, layout) -> Tensor:
+        return self.g.weight(
+            name,
+            axes,
+            layout,
+            self.pb,
+            shard_states_over=EXPERT_DATA_AXES,
+            fsdp=self.k.zero_stage == 3,
+        )
+
+    def dense_mlp(self, ln2: Tensor, ffn: Axis, prefix: str = "") -> Tensor:
+        """Column- then row-parallel MLP; returns the output in the activation layout."""
+        g = self.g
+        Bt, Sq, H = DIMS.batch, DIMS.seq, DIMS.hidden
+        ln2g = g.redistribute(ln2, self.full)
+        if self.k.mlp is MlpKind.GELU:
+            h1 = g.einsum(
+                f"{prefix}fc1",
+                ln2g,
+                self.w(f"{prefix}fc1.weight", [H, ffn], [(), (TP,)]),
+                [Bt, Sq, ffn],
+            )
+            h1 = self.maybe_bias(f"{prefix}fc1", h1, [ffn], [(TP,)])
+            act = g.pointwise(GELU, f"{prefix}gelu", h1)
+        else:
+            gate = g.einsum(
+                f"{prefix}gate_proj",
+                ln2g,
+                self.w(f"{prefix}gate_proj.weight", [H, ffn], [(), (TP,)]),
+                [Bt, Sq, ffn],
+            )
+            up = g.einsum(
+                f"{prefix}up_proj",
+                ln2g,
+                self.w(f"{prefix}up_proj.weight", [H, ffn], [(), (TP,)]),
+                [Bt, Sq, ffn],
+            )
+            act = g.pointwise(SWIGLU, f"{prefix}swiglu", gate, up)
+        h2 = g.einsum(
+            f"{prefix}fc2", act, self.w(f"{prefix}fc2.weight", [ffn, H], [(TP,), ()]), [Bt, Sq, H]
+        )
+        h2 = g.redistribute(h2, self.act)
+        return self.maybe_bias(f"{prefix}fc2", h2, [H], [()])
+
+    def moe_mlp(self, ln2: Tensor) -> Tensor:
+        """Router, top-k dispatch, all-to-all over EP, grouped SwiGLU experts, all-to-all back,
+        weighted combine; plus shared experts. Routing is taken as balanced, each expert
+        receiving ``capacity_factor`` x its even share of the ``top_k`` x tokens."""
+        g = self.g
+        Bt, Sq, H = DIMS.batch, DIMS.seq, DIMS.hidden
+        E, C, Fe = DIMS.experts, DIMS.capacity, DIMS.moe_ffn
+        logits = g.einsum("router", ln2, self.w("router.weight", [H, E], [(), ()]), [Bt, Sq, E])
+        probs = g.pointwise(SOFTMAX, "router_softmax", logits)
+        origin = tuple(m for ms in ln2.layout for m in ms)  # the tokens' ranks
+        expert_ranks = (EP,)
+        slots = tuple(m for m in origin if m is not EP)
+        x_d = g.permute("moe_dispatch", ln2, [E, C, H], [(), origin, ()])
+        x_e = g.redistribute(x_d, [expert_ranks, slots, ()])  # all-to-all over EP
+        etp = self.k.expert_tensor_parallel
+        if etp:  # experts split over TP: gather the TP group's tokens
+            x_e = g.redistribute(x_e, [expert_ranks, tuple(m for m in slots if m is not TP), ()])
+        f_split = (TP,) if etp else ()
+        w1 = self.w_expert("experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split])
+        w3 = self.w_expert("experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split])
+        w2 = self.w_expert("experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()])
+        gate = g.einsum("experts.gate_proj", x_e, w1, [E, C, Fe])
+        up = g.einsum("experts.up_proj", x_e, w3, [E, C, Fe])
+        act = g.pointwise(SWIGLU, "experts.swiglu", gate, up)
+        y_e = g.einsum("experts.down_proj", act, w2, [E, C, H])
+        y_e = g.redistribute(y_e, [expert_ranks, slots, ()])  # reduce-scatter over TP (ETP)
+        y_d = g.redistribute(y_e, [(), origin, ()])  # all-to-all back over EP
+        y = g.permute("moe_combine", y_d, [Bt, Sq, H], ln2.layout, weights=probs, flops_per_elem=2)
+        if self.k.shared_experts:
+            shared = self.dense_mlp(ln2, DIMS.shared_ffn, prefix="shared_experts.")
+            y = g.pointwise(ADD, "moe_shared_sum", y, shared)
+        return y
+
     def norm(self, name: str, x: Tensor) -> Tensor:
         H = DIMS.hidden
         gamma = self.w(f"{name}.weight", [H], [()])
@@ -165,9 +261,9 @@ class _Builder:
         return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.pb)
 
     # ---------------------------------------------------------------- sections
-    def block(self) -> Graph:
+    def block(self, dense: bool = False) -> Graph:
         g = self.g
-        Bt, Sq, Tk, H, F = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden, DIMS.ffn
+        Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
         G, R, D = DIMS.groups, DIMS.rep, DIMS.head_dim
         with g.scope(Scope.BLOCK):
             x = self.activation("layer_input", [Bt, Sq, H], self.act)
@@ -209,22 +305,8 @@ class _Builder:
             out = self.dropout("o_dropout", out)
             x2 = g.pointwise(ADD, "attention_residual", x, out)
             ln2 = self.norm("post_attention_norm", x2)
-            ln2g = g.redistribute(ln2, self.full)
-            if self.k.mlp is MlpKind.GELU:
-                h1 = g.einsum("fc1", ln2g, self.w("fc1.weight", [H, F], [(), (TP,)]), [Bt, Sq, F])
-                h1 = self.maybe_bias("fc1", h1, [F], [(TP,)])
-                act = g.pointwise(GELU, "gelu", h1)
-            else:
-                gate = g.einsum(
-                    "gate_proj", ln2g, self.w("gate_proj.weight", [H, F], [(), (TP,)]), [Bt, Sq, F]
-                )
-                up = g.einsum(
-                    "up_proj", ln2g, self.w("up_proj.weight", [H, F], [(), (TP,)]), [Bt, Sq, F]
-                )
-                act = g.pointwise(SWIGLU, "swiglu", gate, up)
-            h2 = g.einsum("fc2", act, self.w("fc2.weight", [F, H], [(TP,), ()]), [Bt, Sq, H])
-            h2 = g.redistribute(h2, self.act)
-            h2 = self.maybe_bias("fc2", h2, [H], [()])
+            moe = self.k.moe and not dense
+            h2 = self.moe_mlp(ln2) if moe else self.dense_mlp(ln2, DIMS.ffn)
             h2 = self.dropout("mlp_dropout", h2)
             y = g.pointwise(ADD, "mlp_residual", x2, h2)
             g.derive_backward(seed=y)
@@ -281,6 +363,7 @@ class _Builder:
 def _build(key: GraphKey) -> ModelGraphs:
     embed, _ = _Builder(key).embed()
     block = _Builder(key).block()
+    dense = _Builder(key).block(dense=True) if key.moe and key.dense_layers else None
     head, tied = _Builder(key).head()
     assert block.block_input is not None
     return ModelGraphs(
@@ -290,6 +373,7 @@ def _build(key: GraphKey) -> ModelGraphs:
         head=head,
         boundary=block.block_input,
         tied_head_weight=tied,
+        dense=dense,
     )
 
 

@@ -33,10 +33,12 @@ INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
     "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
+    "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers",
 }  # fmt: skip
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
-    "overlap_param_gather", "tp_comm_overlap",
+    "overlap_param_gather", "tp_comm_overlap", "moe", "has_shared_experts", "has_dense_layers",
+    "expert_tensor_parallel",
 }  # fmt: skip
 CONFIG_COLUMNS: tuple[str, ...] = tuple(
     dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS))
@@ -46,6 +48,7 @@ CONFIG_COLUMNS: tuple[str, ...] = tuple(
 # cost output name -> result column
 COST_COLUMNS: dict[str, str] = {
     "params_total": "params",
+    "params_active": "params_active",
     "mem_weights": "mem_weights_bytes",
     "mem_grads": "mem_grads_bytes",
     "mem_optimizer": "mem_optimizer_bytes",
@@ -60,6 +63,7 @@ COST_COLUMNS: dict[str, str] = {
     "time_step_s": "step_s",
     "time_compute_s": "compute_s",
     "time_tp_comm_s": "tp_comm_s",
+    "time_ep_comm_s": "ep_comm_s",
     "time_cp_comm_s": "cp_comm_s",
     "time_zero_comm_s": "zero_comm_s",
     "time_pp_comm_s": "pp_comm_s",

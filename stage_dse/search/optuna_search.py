@@ -31,6 +31,7 @@ from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import error_rows, evaluate_batch, finalize_rows, invalid_rows
 from stage_dse.runner.executors import Executor
 from stage_dse.runner.sweep import SweepReport, SweepSpec
+from stage_dse.search.space import divisors
 from stage_dse.spec import ParallelPlan
 
 __all__ = ["OBJECTIVES", "run_optuna"]
@@ -101,6 +102,9 @@ def run_optuna(
         "virtual_stages": sorted(set(space.virtual_stages)),
         "rank_order": list(space.rank_order),
     }
+    if model.is_moe:
+        axes["ep"] = divisors(model.num_experts) if space.ep == "auto" else sorted(set(space.ep))
+        axes["expert_tensor_parallel"] = list(dict.fromkeys(space.expert_tensor_parallel))
     if search.hbm_gib:
         axes["hbm_gib"] = sorted(float(x) for x in search.hbm_gib)
     if search.inter_gbit_s:
@@ -147,6 +151,8 @@ def run_optuna(
                 v = p["virtual_stages"]
                 plan = ParallelPlan(
                     dp=p["num_gpus"] // mp,
+                    ep=p.get("ep", 1),
+                    expert_tensor_parallel=p.get("expert_tensor_parallel", False),
                     tp=p["tp"],
                     pp=p["pp"],
                     cp=p["cp"],
@@ -267,7 +273,8 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "tp": p["tp"],
             "pp": p["pp"],
             "cp": p["cp"],
-            "ep": 1,
+            "ep": p.get("ep", 1),
+            "expert_tensor_parallel": p.get("expert_tensor_parallel", False),
             "virtual_stages": p["virtual_stages"],
             **bind_hardware(hw, cluster),
             "sequence_parallel": p["sequence_parallel"],

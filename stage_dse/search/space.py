@@ -41,6 +41,25 @@ def _const(value: object, rows: int):
     return np.full(rows, value)
 
 
+def _moe_rules(model, tp, ep, etp, sp_, dp) -> list[tuple[str, np.ndarray]]:
+    """The expert-parallel rules of ``validate_plan``, vectorized."""
+    if not model.is_moe:
+        return [
+            ("ep > 1 needs a mixture-of-experts model", ep > 1),
+            ("expert_tensor_parallel needs a mixture-of-experts model", etp),
+        ]
+    E, fe = model.num_experts, model.moe_ffn_hidden_size
+    return [
+        (f"ep does not divide experts({E})", E % ep != 0),
+        ("ep does not divide dp", np.where(ep > 0, dp % np.maximum(ep, 1), 1) != 0),
+        ("tp > 1 with experts needs sequence parallelism", (tp > 1) & ~sp_),
+        (
+            f"tp does not divide moe_ffn_hidden_size({fe}) (expert tensor parallel)",
+            etp & (fe % tp != 0),
+        ),
+    ]
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -52,6 +71,9 @@ class SearchSpace:
     tp: Axis = "auto"
     pp: Axis = "auto"
     cp: Axis = (1,)
+    ep: Axis = (1,)
+    """Expert-parallel sizes (MoE models); ``"auto"``: every divisor of the expert count."""
+    expert_tensor_parallel: Sequence[bool] = (False,)
     micro_batch_size: Sequence[int] = (1, 2, 4, 8)
     zero_stage: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = ("none", "selective", "full")
@@ -65,7 +87,7 @@ class SearchSpace:
     tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if isinstance(v, str):
                 if v != "auto":
@@ -136,7 +158,12 @@ def enumerate_plans(
     # degree triples first: most of the cartesian product fails tp*pp*cp | n
     triples = [(t, p, c) for t in tps for p in pps for c in cps if n % (t * p * c) == 0]
     # structural axes outermost, so that each compiled family is one contiguous block of rows
+    eps = divisors(model.num_experts) if space.ep == "auto" else sorted(set(space.ep))
+    if not model.is_moe:
+        eps = [e for e in eps if e == 1] or eps
     outer: dict[str, list] = {
+        "expert_tensor_parallel": list(dict.fromkeys(space.expert_tensor_parallel)),
+        "ep": eps,
         "zero_stage": sorted(set(space.zero_stage)),
         "recompute": list(dict.fromkeys(space.recompute)),
         "sequence_parallel": list(dict.fromkeys(space.sequence_parallel)),
@@ -170,6 +197,8 @@ def enumerate_plans(
     mb = cols["micro_batch"].astype(np.int64)
     v = cols["virtual_stages"].astype(np.int64)
     sp_ = cols["sequence_parallel"].astype(bool)
+    ep = cols["ep"].astype(np.int64)
+    etp = cols["expert_tensor_parallel"].astype(bool)
     mp = tp * pp * cp
     dp = np.where(n % mp == 0, n // np.maximum(mp, 1), 0)
     per_step = np.maximum(dp * mb, 1)
@@ -191,6 +220,7 @@ def enumerate_plans(
         (f"cp does not divide seq({s})", s % cp != 0),
         (f"tp*cp does not divide seq({s}) under sequence parallelism", sp_ & (s % (tp * cp) != 0)),
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
+        *_moe_rules(model, tp, ep, etp, sp_, dp),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
     ]
     ok = np.ones(idx.shape[1], dtype=bool)
@@ -225,7 +255,6 @@ def enumerate_plans(
         "positions": model.max_positions or s,
         **moe_values(model),
         "global_batch": B,
-        "ep": 1,
         **bind_hardware(hardware, cluster),
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
@@ -241,6 +270,8 @@ def enumerate_plans(
             "cp": cp[sel],
             "micro_batch": mb[sel],
             "virtual_stages": v[sel],
+            "ep": ep[sel],
+            "expert_tensor_parallel": etp[sel],
             "sequence_parallel": sp_[sel],
             "zero_stage": cols["zero_stage"][sel].astype(np.int64),
             "recompute": pd.Categorical(cols["recompute"][sel], categories=outer["recompute"]),

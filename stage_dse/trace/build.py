@@ -367,6 +367,18 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     }
     mesh = Mesh(plan)
     templates = []
+    dense_layers = model.first_dense_layers if graphs.dense is not None else 0
+
+    def layer_runs(start: int, count: int) -> list[tuple[Graph, int]]:
+        """Layers [start, start + count) as runs of dense and (MoE) block layers."""
+        n_dense = max(0, min(dense_layers, start + count) - start)
+        runs = []
+        if n_dense:
+            runs.append((graphs.dense, n_dense))
+        if count - n_dense:
+            runs.append((graphs.block, count - n_dense))
+        return runs
+
     for s in range(pp):
         prog = _Program(cfg, numbers, 0)
         chunks: list[list[tuple[Graph, int]]] = []
@@ -374,7 +386,9 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
             sections: list[tuple[Graph, int]] = []
             if s == 0 and c == 0:
                 sections.append((graphs.embed, 1))
-            sections.append((graphs.block, chunk_layers[s][c]))
+            # first global layer of this chunk (virtual stage c * pp + s when interleaved)
+            start = sum(layers[:s]) if v == 1 else (c * pp + s) * chunk_layers[s][c]
+            sections.extend(layer_runs(start, chunk_layers[s][c]))
             if s == pp - 1 and c == v - 1:
                 sections.append((graphs.head, 1))
             chunks.append(sections)
@@ -619,26 +633,23 @@ def analytic_flops(cfg: TraceConfig) -> int:
     mode = cfg.plan.recompute
     values = bind(cfg.model, cfg.training, cfg.plan)
     subs = {Symbols.all()[k]: v for k, v in values.items()}
-    emb, blk, head = (
-        section_costs(g, graphs.tied_head_weight if g is graphs.head else None)
-        for g in graphs.sections
-    )
 
     def num(e) -> float:
         return float(sp.sympify(e).xreplace(subs))
 
+    def per_layer(graph) -> float:
+        sc = section_costs(graph)
+        return num(sc.compute_flops[mode]) * m + num(sc.optimizer_flops)
+
     m = cfg.plan.num_microbatches(cfg.training)
-    per_rank_stage = []
-    if cfg.plan.virtual_stages > 1:
-        layers = [cfg.model.num_layers // cfg.plan.pp] * cfg.plan.pp
-    else:
-        layers = stage_layers(cfg.model.num_layers, cfg.plan.pp)
-    for s, n in enumerate(layers):
-        f = n * (num(blk.compute_flops[mode]) * m + num(blk.optimizer_flops))
-        if s == 0:
-            f += num(emb.compute_flops[mode]) * m + num(emb.optimizer_flops)
-        if s == cfg.plan.pp - 1:
-            f += num(head.compute_flops[mode]) * m + num(head.optimizer_flops)
-        per_rank_stage.append(f)
+    emb = per_layer(graphs.embed)
+    head_sc = section_costs(graphs.head, graphs.tied_head_weight)
+    head = num(head_sc.compute_flops[mode]) * m + num(head_sc.optimizer_flops)
+    block = per_layer(graphs.block)
+    dense = per_layer(graphs.dense) if graphs.dense is not None else 0.0
+    n_dense = cfg.model.first_dense_layers if graphs.dense is not None else 0
+    n_block = cfg.model.num_layers - n_dense
     ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
-    return round(sum(per_rank_stage) * ranks_per_stage)
+    # every stage's ranks run their layers; summed over stages that is every layer once
+    total = emb + head + n_dense * dense + n_block * block
+    return round(total * ranks_per_stage)

@@ -51,6 +51,18 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         tied_embeddings=bool(row["tied_embeddings"]),
         bias=bool(row["bias"]),
         dropout=bool(row["dropout"]),
+        **(
+            {
+                "num_experts": int(row["experts"]),
+                "top_k": int(row["top_k"]),
+                "moe_ffn_hidden_size": int(row["moe_ffn"]),
+                "num_shared_experts": int(row["shared_experts"]),
+                "first_dense_layers": int(row["dense_layers"]),
+                "capacity_factor": float(row["capacity_factor"]),
+            }
+            if bool(row["moe"])
+            else {}
+        ),
     )
     opt_bytes = int(row["optimizer_bytes_per_param"])
     training = TrainingSpec(
@@ -62,6 +74,8 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
     )
     plan = ParallelPlan(
         dp=int(row["dp"]),
+        ep=int(row["ep"]),
+        expert_tensor_parallel=bool(row["expert_tensor_parallel"]),
         tp=int(row["tp"]),
         pp=int(row["pp"]),
         cp=int(row["cp"]),
@@ -171,8 +185,9 @@ def _config_mode(out: str, overrides: list[str], granularity: str) -> TraceConfi
         raise ConfigError("num_gpus: give exactly one GPU count for a trace")
     sp_ = spec.space
     one = {}
-    for name in ("tp", "pp", "cp", "micro_batch_size", "zero_stage", "recompute",
-                 "sequence_parallel", "attention", "virtual_stages", "rank_order"):  # fmt: skip
+    for name in ("tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size",
+                 "zero_stage", "recompute", "sequence_parallel", "attention", "virtual_stages",
+                 "rank_order"):  # fmt: skip
         values = getattr(sp_, name)
         if isinstance(values, str) or len(values) != 1:
             raise ConfigError(f"plan.{name}: give exactly one value for a trace, got {values!r}")
