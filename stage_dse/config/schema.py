@@ -45,6 +45,10 @@ class ModelConf:
     num_shared_experts: int = 0
     first_dense_layers: int = 0
     capacity_factor: float = 1.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 @dataclass

@@ -52,7 +52,8 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
 
 
 def moe_values(model: ModelSpec) -> dict[str, float]:
-    """Mixture-of-experts symbols (neutral values for a dense model, whose graph has none)."""
+    """Mixture-of-experts and latent-attention symbols (neutral values where a model's graph
+    has none)."""
     return {
         "experts": model.num_experts or 1,
         "top_k": model.top_k or 1,
@@ -60,6 +61,10 @@ def moe_values(model: ModelSpec) -> dict[str, float]:
         "shared_experts": model.num_shared_experts,
         "capacity_factor": float(model.capacity_factor),
         "dense_layers": model.first_dense_layers,
+        "q_lora": model.q_lora_rank or 1,
+        "kv_lora": model.kv_lora_rank or 1,
+        "rope_dim": model.rope_head_dim or 1,
+        "v_head_dim": model.v_head_dim or 1,
     }
 
 

@@ -54,6 +54,7 @@ MODEL_KEY_COLUMNS = (
     "moe",
     "has_shared_experts",
     "has_dense_layers",
+    "mla",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -92,6 +93,7 @@ def key_from_values(v: dict) -> CostKey:
         shared_experts=bool(v["has_shared_experts"]),
         dense_layers=bool(v["has_dense_layers"]),
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
+        mla=bool(v["mla"]),
     )
     return CostKey(
         graph=graph,
@@ -117,6 +119,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "moe": model.is_moe,
         "has_shared_experts": model.num_shared_experts > 0,
         "has_dense_layers": model.is_moe and model.first_dense_layers > 0,
+        "mla": model.is_mla,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,

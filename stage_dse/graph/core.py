@@ -688,16 +688,20 @@ class Graph:
         k2 = self.redistribute(k, k_layout)
         v2 = self.redistribute(v, v_layout)
         layout_q = dict(zip(q.axes, q.layout))
+        lay = {**dict(zip(v2.axes, v2.layout)), **dict(zip(k2.axes, k2.layout)), **layout_q}
         out = self.tensor(
-            name, Role.ACTIVATION, out_axes, [layout_q[ax] for ax in out_axes], q.dtype_bytes
+            name, Role.ACTIVATION, out_axes, [lay[ax] for ax in out_axes], q.dtype_bytes
         )
         lse = self.tensor(
             f"{name}_lse", Role.ACTIVATION, stat_axes, [layout_q[ax] for ax in stat_axes], 4
         )
+        # two GEMM-like contractions: q k^T over (q ∪ k) and p v over (out ∪ key sequence)
         idx = _dedupe([*q.axes, *k2.axes])
-        lay = {**dict(zip(k2.axes, k2.layout)), **layout_q}
+        idx_av = _dedupe([*out_axes, seq_k])
         local_qk = 2 * sp.Mul(*[ax.extent / _degree(lay[ax]) for ax in idx])
         global_qk = 2 * sp.Mul(*[ax.extent for ax in idx])
+        local_av = 2 * sp.Mul(*[ax.extent / _degree(lay[ax]) for ax in idx_av])
+        global_av = 2 * sp.Mul(*[ax.extent for ax in idx_av])
         self._record(
             Op(
                 kind=OpKind.ATTENTION,
@@ -707,8 +711,8 @@ class Graph:
                 phase=Phase.FORWARD,
                 scope=self._scope,
                 region=self._region,
-                flops=2 * local_qk,
-                global_flops=2 * global_qk,
+                flops=local_qk + local_av,
+                global_flops=global_qk + global_av,
                 bytes=q.local_bytes
                 + k2.local_bytes
                 + v2.local_bytes

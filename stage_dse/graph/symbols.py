@@ -47,6 +47,11 @@ class Symbols:
     shared_experts = _count("shared_experts")
     capacity_factor = _real("capacity_factor")
     dense_layers = _count("dense_layers")
+    # multi-head latent attention (bound to 1 for other models, where they do not appear)
+    q_lora = _sym("q_lora")
+    kv_lora = _sym("kv_lora")
+    rope_dim = _sym("rope_dim")
+    v_head_dim = _sym("v_head_dim")
     # step
     global_batch = _sym("global_batch")
     # parallel degrees

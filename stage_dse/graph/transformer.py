@@ -72,6 +72,13 @@ class DIMS:
     capacity = Axis("c", S.capacity_factor * S.top_k * S.micro_batch * S.dp * S.seq / S.experts)
     """Token slots per expert per micro-batch over the whole mesh: capacity x balanced share."""
     moe_ffn = Axis("fe", S.moe_ffn)
+    heads = Axis("a", S.heads)
+    q_lora = Axis("ql", S.q_lora)
+    kv_lora = Axis("kl", S.kv_lora)
+    rope = Axis("rd", S.rope_dim)
+    qk_dim = Axis("dq", S.head_dim + S.rope_dim)
+    nope_dim = Axis("dn", S.head_dim)
+    v_dim = Axis("dv", S.v_head_dim)
     shared_ffn = Axis("fs", S.shared_experts * S.moe_ffn)
 
 
@@ -96,6 +103,8 @@ class GraphKey:
     dense_layers: bool = False
     """The model starts with dense layers (a second block section)."""
     expert_tensor_parallel: bool = False
+    mla: bool = False
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -116,6 +125,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         shared_experts=model.num_shared_experts > 0,
         dense_layers=model.first_dense_layers > 0,
         expert_tensor_parallel=plan.expert_tensor_parallel,
+        mla=model.is_mla,
     )
 
 
@@ -241,8 +251,58 @@ class _Builder:
             y = g.pointwise(ADD, "moe_shared_sum", y, shared)
         return y
 
+    def latent_attention(self, ln1g: Tensor) -> Tensor:
+        """Multi-head latent attention (DeepSeek-V2 sec. 2.1), by its projection shapes:
+        queries through a rank-``q_lora`` bottleneck, keys and values from a shared
+        rank-``kv_lora`` latent, a rotary key part shared by the heads; heads split over TP,
+        the down-projections replicated. The rotary key is copied into every head's key (the
+        fused kernels' layout); its gradient's reduction over tensor-parallel ranks is left out
+        (b*s*rope_dim elements per layer). Returns the o_proj output, partial over TP."""
+        g = self.g
+        Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
+        A, QL, KL, R = DIMS.heads, DIMS.q_lora, DIMS.kv_lora, DIMS.rope
+        Dq, Dn, Dv = DIMS.qk_dim, DIMS.nope_dim, DIMS.v_dim
+        cq = g.einsum("q_a_proj", ln1g, self.w("q_a_proj.weight", [H, QL], [(), ()]), [Bt, Sq, QL])
+        cq = self.norm("q_a_norm", cq)
+        q = g.einsum(
+            "q_b_proj", cq, self.w("q_b_proj.weight", [QL, A, Dq], [(), (TP,), ()]), [Bt, Sq, A, Dq]
+        )
+        q = g.pointwise(ROPE, "q_rope", q)
+        ln1t = g.view(ln1g, [Bt, Tk, H])
+        ckv = g.einsum(
+            "kv_a_proj", ln1t, self.w("kv_a_proj.weight", [H, KL], [(), ()]), [Bt, Tk, KL]
+        )
+        kr = g.einsum(
+            "k_rope_proj", ln1t, self.w("k_rope_proj.weight", [H, R], [(), ()]), [Bt, Tk, R]
+        )
+        kr = g.pointwise(ROPE, "k_rope", kr)
+        ckv = self.norm("kv_a_norm", ckv)
+        kn = g.einsum(
+            "k_b_proj",
+            ckv,
+            self.w("k_b_proj.weight", [KL, A, Dn], [(), (TP,), ()]),
+            [Bt, Tk, A, Dn],
+        )
+        v = g.einsum(
+            "v_b_proj",
+            ckv,
+            self.w("v_b_proj.weight", [KL, A, Dv], [(), (TP,), ()]),
+            [Bt, Tk, A, Dv],
+        )
+        k = g.permute("k_concat", kn, [Bt, Tk, A, Dq], [*kn.layout[:3], ()], weights=kr)
+        with g.region(Region.ATTENTION_CORE):
+            if self.k.attention is AttentionKernel.FLASH:
+                ctx = g.attention("core_attention", q, k, v, Sq, Tk, [Bt, Sq, A, Dv], [Bt, A, Sq])
+            else:
+                scores = g.einsum("scores", q, k, [Bt, A, Sq, Tk])
+                probs = g.pointwise(SOFTMAX, "softmax", scores)
+                probs = self.dropout("attention_dropout", probs)
+                ctx = g.einsum("context", probs, v, [Bt, Sq, A, Dv])
+        wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
+        return g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+
     def norm(self, name: str, x: Tensor) -> Tensor:
-        H = DIMS.hidden
+        H = x.axes[-1]  # the normalized (last) axis: hidden, or a latent rank under MLA
         gamma = self.w(f"{name}.weight", [H], [()])
         if self.k.norm is NormKind.LAYERNORM:
             beta = self.w(f"{name}.bias", [H], [()])
@@ -270,36 +330,39 @@ class _Builder:
             g.block_input = x
             ln1 = self.norm("input_norm", x)
             ln1g = g.redistribute(ln1, self.full)
-            q = g.einsum(
-                "q_proj",
-                ln1g,
-                self.w("q_proj.weight", [H, G, R, D], [(), (TP,), (), ()]),
-                [Bt, Sq, G, R, D],
-            )
-            # keys/values are indexed by the key-side sequence axis t (same extent as s)
-            wk = self.w("k_proj.weight", [H, G, D], [(), (TP,), ()])
-            wv = self.w("v_proj.weight", [H, G, D], [(), (TP,), ()])
-            ln1t = g.view(ln1g, [Bt, Tk, H])
-            k = g.einsum("k_proj", ln1t, wk, [Bt, Tk, G, D])
-            v = g.einsum("v_proj", ln1t, wv, [Bt, Tk, G, D])
-            q = self.maybe_bias("q_proj", q, [G, R, D], [(TP,), (), ()])
-            k = self.maybe_bias("k_proj", k, [G, D], [(TP,), ()])
-            v = self.maybe_bias("v_proj", v, [G, D], [(TP,), ()])
-            if self.k.position is PositionKind.ROPE:
-                q = g.pointwise(ROPE, "q_rope", q)
-                k = g.pointwise(ROPE, "k_rope", k)
-            with g.region(Region.ATTENTION_CORE):
-                if self.k.attention is AttentionKernel.FLASH:
-                    ctx = g.attention(
-                        "core_attention", q, k, v, Sq, Tk, [Bt, Sq, G, R, D], [Bt, G, R, Sq]
-                    )
-                else:
-                    scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
-                    probs = g.pointwise(SOFTMAX, "softmax", scores)
-                    probs = self.dropout("attention_dropout", probs)
-                    ctx = g.einsum("context", probs, v, [Bt, Sq, G, R, D])
-            wo = self.w("o_proj.weight", [G, R, D, H], [(TP,), (), (), ()])
-            out = g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+            if self.k.mla:
+                out = self.latent_attention(ln1g)
+            else:
+                q = g.einsum(
+                    "q_proj",
+                    ln1g,
+                    self.w("q_proj.weight", [H, G, R, D], [(), (TP,), (), ()]),
+                    [Bt, Sq, G, R, D],
+                )
+                # keys/values are indexed by the key-side sequence axis t (same extent as s)
+                wk = self.w("k_proj.weight", [H, G, D], [(), (TP,), ()])
+                wv = self.w("v_proj.weight", [H, G, D], [(), (TP,), ()])
+                ln1t = g.view(ln1g, [Bt, Tk, H])
+                k = g.einsum("k_proj", ln1t, wk, [Bt, Tk, G, D])
+                v = g.einsum("v_proj", ln1t, wv, [Bt, Tk, G, D])
+                q = self.maybe_bias("q_proj", q, [G, R, D], [(TP,), (), ()])
+                k = self.maybe_bias("k_proj", k, [G, D], [(TP,), ()])
+                v = self.maybe_bias("v_proj", v, [G, D], [(TP,), ()])
+                if self.k.position is PositionKind.ROPE:
+                    q = g.pointwise(ROPE, "q_rope", q)
+                    k = g.pointwise(ROPE, "k_rope", k)
+                with g.region(Region.ATTENTION_CORE):
+                    if self.k.attention is AttentionKernel.FLASH:
+                        ctx = g.attention(
+                            "core_attention", q, k, v, Sq, Tk, [Bt, Sq, G, R, D], [Bt, G, R, Sq]
+                        )
+                    else:
+                        scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
+                        probs = g.pointwise(SOFTMAX, "softmax", scores)
+                        probs = self.dropout("attention_dropout", probs)
+                        ctx = g.einsum("context", probs, v, [Bt, Sq, G, R, D])
+                wo = self.w("o_proj.weight", [G, R, D, H], [(TP,), (), (), ()])
+                out = g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
             out = g.redistribute(out, self.act)
             out = self.maybe_bias("o_proj", out, [H], [()])
             out = self.dropout("o_dropout", out)

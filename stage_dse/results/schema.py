@@ -33,12 +33,13 @@ INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
     "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
-    "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers",
+    "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora",
+    "rope_dim", "v_head_dim",
 }  # fmt: skip
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "moe", "has_shared_experts", "has_dense_layers",
-    "expert_tensor_parallel",
+    "expert_tensor_parallel", "mla",
 }  # fmt: skip
 CONFIG_COLUMNS: tuple[str, ...] = tuple(
     dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS))

@@ -85,6 +85,15 @@ class ModelSpec:
     capacity_factor: float = 1.0
     """Tokens an expert processes relative to a perfectly balanced share (routing is assumed
     balanced; > 1 pads every expert to that capacity)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3) when > 0: rank of the query compression.
+    Then ``head_dim`` is the per-head no-position part of queries and keys."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the joint key/value compression (the cached latent)."""
+    rope_head_dim: int = 0
+    """MLA: per-head rotary part of queries and keys (the key part is shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width (0: ``head_dim``)."""
 
     def __post_init__(self) -> None:
         owner = "model"
@@ -135,6 +144,20 @@ class ModelSpec:
             raise ConfigError(
                 "model.top_k/num_shared_experts/first_dense_layers need num_experts > 0"
             )
+        for field in ("q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+        if self.is_mla:
+            if not (self.kv_lora_rank and self.rope_head_dim):
+                raise ConfigError(
+                    "model.q_lora_rank > 0 (latent attention) needs kv_lora_rank and rope_head_dim"
+                )
+            if self.num_kv_heads != self.num_heads:
+                raise ConfigError("model: latent attention has no key/value head groups; "
+                                  "set num_kv_heads to num_heads or leave it 0")  # fmt: skip
+            if self.v_head_dim == 0:
+                object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_kv_heads({self.num_kv_heads}) does not divide "
@@ -144,6 +167,10 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.q_lora_rank > 0
 
     @property
     def gqa_group_size(self) -> int:

@@ -63,6 +63,16 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
             if bool(row["moe"])
             else {}
         ),
+        **(
+            {
+                "q_lora_rank": int(row["q_lora"]),
+                "kv_lora_rank": int(row["kv_lora"]),
+                "rope_head_dim": int(row["rope_dim"]),
+                "v_head_dim": int(row["v_head_dim"]),
+            }
+            if bool(row["mla"])
+            else {}
+        ),
     )
     opt_bytes = int(row["optimizer_bytes_per_param"])
     training = TrainingSpec(
