@@ -209,7 +209,10 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     params = _sum([w.numel for w in unique])
     weights_numel = _sum([w.local_numel for w in stored])
     mp_numel = _sum([compute_of.get(w, w).local_numel for w in stored])
-    experts = [w for w in stored if DIMS.experts in w.axes]
+    # routed experts: the weights whose expert axis is split over EP (the router is replicated)
+    experts = [
+        w for w in stored if DIMS.experts in w.axes and MeshAxis.EP in w.split_of(DIMS.experts)
+    ]
     expert_params = _sum([w.numel for w in experts])
     expert_mp = _sum([compute_of.get(w, w).local_numel for w in experts])
 
@@ -463,15 +466,25 @@ def _derive(key: CostKey) -> TrainingCosts:
         "boundary_bytes": graphs.boundary.local_bytes,
     }
 
-    # communication per GPU per step on the first stage (all of it when pp == 1)
-    comm: dict[str, sp.Expr] = defaultdict(lambda: sp.Integer(0))
-    for sec, mult in first_parts:
-        for (kind, group), by_mode in sec.comm_per_microbatch.items():
-            comm[f"{kind.value}_{group_label(group)}"] += mult * m * by_mode[mode]
-        for (kind, group), size in sec.comm_per_step.items():
-            comm[f"{kind.value}_{group_label(group)}"] += mult * size
+    # communication per GPU per step: of each kind, the larger of the first and last stages
+    # (they are the same stage when pp == 1)
+    def stage_comm(parts) -> dict[str, sp.Expr]:
+        out: dict[str, sp.Expr] = defaultdict(lambda: sp.Integer(0))
+        for sec, mult in parts:
+            for (kind, group), by_mode in sec.comm_per_microbatch.items():
+                out[f"{kind.value}_{group_label(group)}"] += mult * m * by_mode[mode]
+            for (kind, group), size in sec.comm_per_step.items():
+                out[f"{kind.value}_{group_label(group)}"] += mult * size
+        return out
+
+    comm_first, comm_last = stage_comm(first_parts), stage_comm(last_parts)
+    comm: dict[str, sp.Expr] = {
+        name: _max(comm_first.get(name, 0), multi * comm_last.get(name, 0))
+        for name in dict.fromkeys([*comm_first, *comm_last])
+    }
     # pipeline: each micro-batch sends its activation forward and its gradient backward
-    comm[f"{CollKind.SEND_RECV.value}_pp"] += multi * 2 * m * graphs.boundary.local_bytes
+    name = f"{CollKind.SEND_RECV.value}_pp"
+    comm[name] = comm.get(name, 0) + multi * 2 * m * graphs.boundary.local_bytes
     comm_bytes = dict(comm)
     comm_bytes["total"] = _sum(list(comm.values()))
     return TrainingCosts(

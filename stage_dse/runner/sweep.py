@@ -250,6 +250,7 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
             "tp": best["tp"],
             "pp": best["pp"],
             "cp": best["cp"],
+            "ep": best["ep"],
             "mbs": best["micro_batch"],
             "zero": best["zero_stage"],
             "recompute": best["recompute"],
