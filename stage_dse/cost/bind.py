@@ -42,6 +42,7 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         "positions": model.max_positions or training.seq_len,
         **moe_values(model),
         "global_batch": training.global_batch_size,
+        "context": training.seq_len,
         "dp": plan.dp,
         "tp": plan.tp,
         "pp": plan.pp,

@@ -66,6 +66,8 @@ class Role(StrEnum):
     ACTIVATION_GRAD = "activation_grad"
     INPUT = "input"
     """Non-differentiable inputs (token ids, positions)."""
+    KV_CACHE = "kv_cache"
+    """Serving: keys and values of earlier tokens, read by attention, appended to."""
 
 
 class Scope(StrEnum):

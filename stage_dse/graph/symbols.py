@@ -54,6 +54,8 @@ class Symbols:
     v_head_dim = _sym("v_head_dim")
     # step
     global_batch = _sym("global_batch")
+    context = _sym("context")
+    """Serving: key/value length a query attends to (prompt, plus tokens generated so far)."""
     # parallel degrees
     dp = _sym("dp")
     tp = _sym("tp")

@@ -32,6 +32,8 @@ from stage_dse.graph.core import (
     Scope,
     Tensor,
 )
+import sympy as sp
+
 from stage_dse.graph.symbols import S
 from stage_dse.spec import (
     AttentionKernel,
@@ -68,6 +70,10 @@ class DIMS:
     head_dim = Axis("d", S.head_dim)
     vocab = Axis("v", S.vocab)
     positions = Axis("p", S.positions)
+    context = Axis("t", S.context)
+    """Serving: the key side of attention spans the context (cache) length."""
+    last = Axis("one", sp.Integer(1))
+    """Serving: the one position whose logits are computed."""
     experts = Axis("e", S.experts)
     capacity = Axis("c", S.capacity_factor * S.top_k * S.micro_batch * S.dp * S.seq / S.experts)
     """Token slots per expert per micro-batch over the whole mesh: capacity x balanced share."""
@@ -151,10 +157,13 @@ class ModelGraphs:
 
 
 class _Builder:
-    def __init__(self, key: GraphKey) -> None:
+    def __init__(self, key: GraphKey, serving: str | None = None, kv_bytes: int = 2) -> None:
         self.k = key
         self.g = Graph()
         self.pb = key.param_bytes
+        self.serving = serving
+        """None (training), "prefill" or "decode": forward only, attention over a KV cache."""
+        self.kv_bytes = kv_bytes
 
     # layouts of [b, s, h] activations
     @property
@@ -342,15 +351,19 @@ class _Builder:
                 # keys/values are indexed by the key-side sequence axis t (same extent as s)
                 wk = self.w("k_proj.weight", [H, G, D], [(), (TP,), ()])
                 wv = self.w("v_proj.weight", [H, G, D], [(), (TP,), ()])
-                ln1t = g.view(ln1g, [Bt, Tk, H])
-                k = g.einsum("k_proj", ln1t, wk, [Bt, Tk, G, D])
-                v = g.einsum("v_proj", ln1t, wv, [Bt, Tk, G, D])
+                kv_axis = Sq if self.serving == "decode" else Tk
+                ln1t = g.view(ln1g, [Bt, kv_axis, H]) if kv_axis is not Sq else ln1g
+                k = g.einsum("k_proj", ln1t, wk, [Bt, kv_axis, G, D])
+                v = g.einsum("v_proj", ln1t, wv, [Bt, kv_axis, G, D])
                 q = self.maybe_bias("q_proj", q, [G, R, D], [(TP,), (), ()])
                 k = self.maybe_bias("k_proj", k, [G, D], [(TP,), ()])
                 v = self.maybe_bias("v_proj", v, [G, D], [(TP,), ()])
                 if self.k.position is PositionKind.ROPE:
                     q = g.pointwise(ROPE, "q_rope", q)
                     k = g.pointwise(ROPE, "k_rope", k)
+                if self.serving:
+                    k, v = self.kv_cache(k, v)
+                    Tk = DIMS.context
                 with g.region(Region.ATTENTION_CORE):
                     if self.k.attention is AttentionKernel.FLASH:
                         ctx = g.attention(
@@ -372,9 +385,23 @@ class _Builder:
             h2 = self.moe_mlp(ln2) if moe else self.dense_mlp(ln2, DIMS.ffn)
             h2 = self.dropout("mlp_dropout", h2)
             y = g.pointwise(ADD, "mlp_residual", x2, h2)
-            g.derive_backward(seed=y)
-            self._step()
+            if not self.serving:
+                g.derive_backward(seed=y)
+                self._step()
         return g
+
+    def kv_cache(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Serving: write the new keys/values into the cache; attention reads the whole cache
+        (``context`` positions). In prefill the new keys are the context itself."""
+        g = self.g
+        Bt, G, D, T = DIMS.batch, DIMS.groups, DIMS.head_dim, DIMS.context
+        layout = [k.layout[0], (), k.layout[2], ()]
+        caches = []
+        for name, new in (("k_cache", k), ("v_cache", v)):
+            cache = g.tensor(name, Role.KV_CACHE, [Bt, T, G, D], layout, self.kv_bytes)
+            g.permute(f"{name}_write", new, new.axes, new.layout)
+            caches.append(cache)
+        return caches[0], caches[1]
 
     def embed(self) -> tuple[Graph, Tensor]:
         g = self.g
@@ -391,8 +418,9 @@ class _Builder:
                 pos = g.redistribute(pos, self.act)
                 x = g.pointwise(ADD, "embedding_sum", x, pos)
             y = self.dropout("embedding_dropout", x)
-            g.derive_backward(seed=y)
-            self._step()
+            if not self.serving:
+                g.derive_backward(seed=y)
+                self._step()
         return g, y
 
     def head(self) -> tuple[Graph, Tensor | None]:
@@ -405,6 +433,12 @@ class _Builder:
             lng = g.redistribute(ln, self.full)
             tied = self.k.tied_embeddings
             w = self.w("word_embeddings" if tied else "output.weight", [V, H], [(TP,), ()])
+            if self.serving:  # logits of the last position only, then sampling
+                last = g.permute("last_position", lng, [Bt, DIMS.last, H], [lng.layout[0], (), ()])
+                logits = g.einsum("logits", last, w, [Bt, DIMS.last, V])
+                logits = g.redistribute(logits, [logits.layout[0], (), ()])
+                g.pointwise(SOFTMAX, "sampling", logits)
+                return g, None
             logits = g.einsum("logits", lng, w, [Bt, Sq, V])
             g.cross_entropy("loss", logits, V, [Bt, Sq])
             g.derive_backward()
@@ -436,6 +470,27 @@ def _build(key: GraphKey) -> ModelGraphs:
         head=head,
         boundary=block.block_input,
         tied_head_weight=tied,
+        dense=dense,
+    )
+
+
+@lru_cache(maxsize=64)
+def build_serving_graphs(key: GraphKey, mode: str, kv_bytes: int) -> ModelGraphs:
+    """Forward-only graphs of one serving pass (``mode``: "prefill" or "decode")."""
+    embed, _ = _Builder(key, mode, kv_bytes).embed()
+    block = _Builder(key, mode, kv_bytes).block()
+    dense = (
+        _Builder(key, mode, kv_bytes).block(dense=True) if key.moe and key.dense_layers else None
+    )
+    head, _ = _Builder(key, mode, kv_bytes).head()
+    assert block.block_input is not None
+    return ModelGraphs(
+        key=key,
+        embed=embed,
+        block=block,
+        head=head,
+        boundary=block.block_input,
+        tied_head_weight=None,
         dense=dense,
     )
 

@@ -31,7 +31,7 @@ STATUS = ("ok", "infeasible", "invalid", "error")
 LABEL_COLUMNS = ("model", "hardware", "cluster", "num_gpus")
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
-    "positions", "global_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
+    "positions", "global_batch", "context", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
     "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
     "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora",
     "rope_dim", "v_head_dim",

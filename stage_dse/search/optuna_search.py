@@ -269,6 +269,7 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "positions": model.max_positions or spec.training.seq_len,
             **moe_values(model),
             "global_batch": spec.training.global_batch_size,
+            "context": spec.training.seq_len,
             "dp": p["num_gpus"] // mp if p["num_gpus"] % mp == 0 else 0,
             "tp": p["tp"],
             "pp": p["pp"],

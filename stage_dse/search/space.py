@@ -255,6 +255,7 @@ def enumerate_plans(
         "positions": model.max_positions or s,
         **moe_values(model),
         "global_batch": B,
+        "context": s,
         **bind_hardware(hardware, cluster),
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
