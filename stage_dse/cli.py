@@ -36,6 +36,10 @@ def run(cfg: DictConfig) -> int:
     from stage_dse.runner.executors import make_executor
     from stage_dse.runner.sweep import run_grid, top_table
 
+    if cfg.workload == "serving":
+        return _run_serving(cfg)
+    if cfg.workload != "training":
+        raise StageDseError(f"workload={cfg.workload!r} is not one of: training, serving")
     spec = to_sweep(cfg)
     if cfg.search.kind not in ("grid", "optuna"):
         raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
@@ -90,6 +94,28 @@ def run(cfg: DictConfig) -> int:
                     f"needs {r.mem_total_bytes / GIB:.1f} GiB, misses by {r.short_gib:.2f} GiB "
                     f"({-r.mem_headroom_bytes:,.0f} bytes)"
                 )
+    return report.evaluated
+
+
+def _run_serving(cfg: DictConfig) -> int:
+    from stage_dse.config.schema import to_serving_sweep
+    from stage_dse.results.store import ResultStore
+    from stage_dse.runner.serving import run_serving, serving_top_table
+
+    spec = to_serving_sweep(cfg)
+    store = ResultStore(Path(cfg.results_dir) / spec.name)
+    report = run_serving(spec, store)
+    df = store.read()
+    print(f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,})")
+    if report.status:
+        print("outcomes of this run:")
+        print(_fmt_counter(report.status))
+    if report.rejected:
+        print("configurations rejected, by rule:")
+        print(_fmt_counter(report.rejected))
+    top = serving_top_table(df, cfg.top_k)
+    print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
+    print(top.to_string(index=False) if len(top) else "  none fits")
     return report.evaluated
 
 

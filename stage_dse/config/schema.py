@@ -143,6 +143,21 @@ class RunnerConf:
 
 
 @dataclass
+class ServingConf:
+    """Serving sweep (``workload=serving``): tp/pp per replica, batches, prompt lengths."""
+
+    tp: Any = "auto"
+    pp: list[int] = field(default_factory=lambda: [1])
+    batch_size: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
+    prompt_len: list[int] = field(default_factory=lambda: [2048])
+    output_tokens: int = 256
+    kv_dtype: str = "bf16"
+    weights_dtype: str = "bf16"
+    hardware: list[str] = field(default_factory=list)
+    """Hardware presets to compare (default: the hardware group)."""
+
+
+@dataclass
 class BudgetConf:
     memory_gib: float | None = None
     max_gpus: int | None = None
@@ -160,6 +175,9 @@ class Config:
     search: SearchConf = field(default_factory=SearchConf)
     runner: RunnerConf = field(default_factory=RunnerConf)
     budget: BudgetConf = field(default_factory=BudgetConf)
+    serving: ServingConf = field(default_factory=ServingConf)
+    workload: str = "training"
+    """training (plan search over a training step) or serving (prefill/decode of a model)."""
     sweep_name: str = "default"
     results_dir: str = "results"
     num_gpus: list[int] = field(default_factory=lambda: [64])
@@ -298,3 +316,39 @@ def check_explicit_degrees(space: SearchSpace, model: ModelSpec, training: Train
         for cp in space.cp:
             if training.seq_len % cp:
                 raise ConfigError(f"plan.cp={cp}: cp({cp}) does not divide seq({training.seq_len})")
+
+
+def to_serving_sweep(cfg: DictConfig):
+    """The serving sweep of one Hydra job (``workload=serving``)."""
+    from stage_dse.config.presets import load_hardware
+    from stage_dse.runner.serving import ServingSweepSpec
+
+    c = _plain(cfg)
+    model = _spec("model", ModelSpec, c["model"])
+    sv = c["serving"]
+    hardware = [hardware_from_dict(c["hardware"])]
+    hardware += [load_hardware(name) for name in sv["hardware"] if name != hardware[0].name]
+    cluster = cluster_from_dict(c["cluster"])
+    tp = sv["tp"]
+    if isinstance(tp, int) and not isinstance(tp, bool):
+        tp = [tp]
+    elif isinstance(tp, str) and tp != "auto":
+        raise ConfigError(f"serving.tp={tp!r}: give an integer, a list of integers or 'auto'")
+    for name in ("pp", "batch_size", "prompt_len"):
+        values = sv[name] if isinstance(sv[name], list) else [sv[name]]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"serving.{name} values must be integers > 0, got {v!r}")
+    return ServingSweepSpec(
+        name=c["sweep_name"],
+        model=model,
+        hardware=tuple(hardware),
+        cluster=cluster,
+        tp=tp,
+        pp=tuple(sv["pp"] if isinstance(sv["pp"], list) else [sv["pp"]]),
+        batch_sizes=tuple(sv["batch_size"]),
+        prompt_lens=tuple(sv["prompt_len"]),
+        output_tokens=sv["output_tokens"],
+        kv_dtype=sv["kv_dtype"],
+        weights_dtype=sv["weights_dtype"],
+    )

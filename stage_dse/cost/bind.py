@@ -43,6 +43,8 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         **moe_values(model),
         "global_batch": training.global_batch_size,
         "context": training.seq_len,
+        "prompt": training.seq_len,
+        "output_tokens": 1,
         "dp": plan.dp,
         "tp": plan.tp,
         "pp": plan.pp,

@@ -109,6 +109,8 @@ def key_from_values(v: dict) -> CostKey:
 def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]:
     """Structural columns of a model and training step (and their labels)."""
     return {
+        "workload": "training",
+        "kv_bytes": 0,
         "model": model.name,
         "norm": model.norm.value,
         "mlp": model.mlp.value,

@@ -56,6 +56,10 @@ class Symbols:
     global_batch = _sym("global_batch")
     context = _sym("context")
     """Serving: key/value length a query attends to (prompt, plus tokens generated so far)."""
+    prompt = _sym("prompt")
+    """Serving: prompt tokens per sequence (the prefill length)."""
+    output_tokens = _sym("output_tokens")
+    """Serving: tokens generated per sequence."""
     # parallel degrees
     dp = _sym("dp")
     tp = _sym("tp")

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import sympy as sp
+
 from stage_dse.graph.core import (
     ADD,
     DROPOUT,
@@ -32,8 +34,6 @@ from stage_dse.graph.core import (
     Scope,
     Tensor,
 )
-import sympy as sp
-
 from stage_dse.graph.symbols import S
 from stage_dse.spec import (
     AttentionKernel,

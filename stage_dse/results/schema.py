@@ -28,12 +28,12 @@ __all__ = [
 ]
 
 STATUS = ("ok", "infeasible", "invalid", "error")
-LABEL_COLUMNS = ("model", "hardware", "cluster", "num_gpus")
+LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_bytes")
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
-    "positions", "global_batch", "context", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
+    "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
     "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
-    "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora",
+    "kv_bytes", "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora",
     "rope_dim", "v_head_dim",
 }  # fmt: skip
 BOOL_CONFIG = {
@@ -76,6 +76,22 @@ COST_COLUMNS: dict[str, str] = {
     "hfu": "hfu",
     "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
 }
+SERVING_COLUMNS: dict[str, str] = {
+    "serve_ttft_s": "ttft_s",
+    "serve_tpot_s": "tpot_s",
+    "serve_tokens_per_s_per_gpu": "decode_tokens_per_s_per_gpu",
+    "serve_weights_bytes": "serve_weights_bytes",
+    "serve_kv_bytes_per_token": "kv_bytes_per_token",
+    "serve_kv_cache_bytes": "kv_cache_bytes",
+    "serve_working_bytes": "serve_working_bytes",
+    "serve_mem_total_bytes": "serve_mem_total_bytes",
+    "serve_mem_headroom_bytes": "serve_mem_headroom_bytes",
+    "serve_kv_capacity_seqs": "kv_capacity_seqs",
+    "serve_decode_memory_s": "decode_memory_s",
+    "serve_decode_compute_s": "decode_compute_s",
+    "serve_weight_read_s": "weight_read_s",
+}
+"""Serving outputs (rows with ``workload == "serving"``; null for training rows)."""
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 COMM_AXES = ("tp", "cp", "ep", "dp", "pp")
 COMM_COLUMNS = (
@@ -85,7 +101,7 @@ COMM_COLUMNS = (
 )
 
 STRING_CONFIG = {
-    "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
+    "workload", "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
     "schedule", "rank_order",
 }  # fmt: skip
 LABEL = pa.dictionary(pa.int32(), pa.string())
@@ -109,7 +125,11 @@ for c in CONFIG_COLUMNS:
     _fields.append(pa.field(c, t))
 _fields += [pa.field(c, pa.float64()) for c in COST_COLUMNS.values()]
 _fields += [pa.field(c, pa.float64()) for c in COMM_COLUMNS]
-_fields += [pa.field("package_version", LABEL), pa.field("trace_dir", pa.string())]
+_fields += [pa.field(c, pa.float64()) for c in SERVING_COLUMNS.values()]
+_fields += [
+    pa.field("package_version", LABEL),
+    pa.field("trace_dir", pa.string()),
+]
 RESULT_SCHEMA = pa.schema(_fields)
 """Arrow schema of every part file of a results dataset."""
 

@@ -17,7 +17,15 @@ import pyarrow as pa
 
 from stage_dse import __version__
 from stage_dse.cost.table import evaluate_table
-from stage_dse.results.schema import CONFIG_COLUMNS, RESULT_SCHEMA, config_hash, cost_columns
+from stage_dse.results.schema import (
+    CONFIG_COLUMNS,
+    RESULT_SCHEMA,
+    SERVING_COLUMNS,
+    config_hash,
+    cost_columns,
+)
+
+SERVING_OUTPUTS = set(SERVING_COLUMNS.values())
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
 
@@ -160,6 +168,8 @@ def rows_table(configs: pd.DataFrame, costs: pd.DataFrame, sweep: str) -> pa.Tab
             arrays.append(_dictionary(bad, ["", INFEASIBLE_REASON]))
         elif name == "package_version":
             arrays.append(_dictionary(zeros, [__version__]))
+        elif name in SERVING_OUTPUTS:
+            arrays.append(pa.nulls(n, pa.float64()))
         elif name == "trace_dir":
             arrays.append(pa.nulls(n, pa.string()))
         elif name in cc:

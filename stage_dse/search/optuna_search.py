@@ -270,6 +270,8 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             **moe_values(model),
             "global_batch": spec.training.global_batch_size,
             "context": spec.training.seq_len,
+            "prompt": spec.training.seq_len,
+            "output_tokens": 1,
             "dp": p["num_gpus"] // mp if p["num_gpus"] % mp == 0 else 0,
             "tp": p["tp"],
             "pp": p["pp"],

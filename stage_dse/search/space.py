@@ -256,6 +256,8 @@ def enumerate_plans(
         **moe_values(model),
         "global_batch": B,
         "context": s,
+        "prompt": s,
+        "output_tokens": 1,
         **bind_hardware(hardware, cluster),
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,

@@ -1,0 +1,171 @@
+"""Serving sweeps: every (hardware, tp, pp, batch, prompt) of a model, evaluated and stored.
+
+Serving spaces are small (thousands of rows), so configurations are built and validated one by
+one and evaluated together (one compiled serving program per family). Rows land in the same
+results dataset as training rows, with ``workload == "serving"``: the serving columns
+(``ttft_s``, ``tpot_s``, ``decode_tokens_per_s_per_gpu``, ``kv_capacity_seqs``, ...) are set,
+memory columns hold the serving footprint, training-only columns are null.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from stage_dse.cost.bind import bind, bind_hardware
+from stage_dse.cost.serving import evaluate_serving_table, serving_key
+from stage_dse.cost.table import model_columns
+from stage_dse.errors import ConfigError
+from stage_dse.results.schema import SERVING_COLUMNS, config_hash
+from stage_dse.results.store import ResultStore
+from stage_dse.runner.evaluate import finalize_rows
+from stage_dse.runner.sweep import SweepReport
+from stage_dse.search.space import divisors
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.spec.serving import ServingSpec
+
+__all__ = ["ServingSweepSpec", "run_serving", "serving_top_table"]
+
+GIB = 2.0**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSweepSpec:
+    name: str
+    model: ModelSpec
+    hardware: tuple[HardwareSpec, ...]
+    cluster: ClusterSpec
+    tp: Sequence[int] | str = "auto"
+    pp: Sequence[int] = (1,)
+    batch_sizes: Sequence[int] = (1, 8, 32, 128)
+    prompt_lens: Sequence[int] = (2048,)
+    output_tokens: int = 256
+    kv_dtype: str = "bf16"
+    weights_dtype: str = "bf16"
+
+
+def run_serving(
+    spec: ServingSweepSpec, store: ResultStore, log: Callable[[str], None] = print
+) -> SweepReport:
+    t0 = time.perf_counter()
+    report = SweepReport(name=spec.name)
+    store.prepare()
+    model = spec.model
+    tps = divisors(model.num_heads) if spec.tp == "auto" else list(spec.tp)
+    rows, keys = [], []
+    for hw in spec.hardware:
+        for tp in tps:
+            for pp in spec.pp:
+                for batch in spec.batch_sizes:
+                    for prompt in spec.prompt_lens:
+                        report.candidates += 1
+                        try:
+                            serving = ServingSpec(
+                                prompt_len=prompt,
+                                output_tokens=spec.output_tokens,
+                                batch_size=batch,
+                                kv_dtype=spec.kv_dtype,
+                                weights_dtype=spec.weights_dtype,
+                            )
+                            plan = ParallelPlan(
+                                tp=tp,
+                                pp=pp,
+                                micro_batch_size=batch,
+                                expert_tensor_parallel=model.is_moe and tp > 1,
+                            )
+                            key = serving_key(model, serving, plan)
+                            cluster = spec.cluster.replace(num_gpus=tp * pp)
+                        except ConfigError as exc:
+                            report.rejected[_rule(str(exc))] += 1
+                            continue
+                        like = TrainingSpec(
+                            seq_len=prompt,
+                            global_batch_size=batch,
+                            params_dtype=serving.weights_dtype,
+                        )
+                        row = {**model_columns(model, like), "hardware": hw.name}
+                        row.update(bind(model, like, plan))
+                        row.update(bind_hardware(hw, cluster))
+                        row.update(
+                            {
+                                "workload": "serving",
+                                "kv_bytes": serving.kv_dtype.bytes,
+                                "cluster": cluster.name,
+                                "num_gpus": tp * pp,
+                                "prompt": prompt,
+                                "output_tokens": spec.output_tokens,
+                                "context": prompt,
+                                "expert_tensor_parallel": plan.expert_tensor_parallel,
+                                "sequence_parallel": False,
+                                "attention": plan.attention.value,
+                                "zero_stage": 0,
+                                "recompute": "none",
+                                "schedule": "1f1b",
+                                "rank_order": "-".join(a.value for a in plan.rank_order),
+                                "overlap_grad_reduce": True,
+                                "overlap_param_gather": True,
+                                "tp_comm_overlap": False,
+                            }
+                        )
+                        rows.append(row)
+                        keys.append(key)
+    report.valid = len(rows)
+    log(
+        f"serving sweep {spec.name}: {report.valid:,} valid configurations of "
+        f"{report.candidates:,} ({sum(report.rejected.values()):,} rejected)"
+    )
+    if rows:
+        table = pd.DataFrame(rows)
+        table["config_hash"] = config_hash(table).to_numpy()
+        done = store.hashes()
+        keep = ~table["config_hash"].isin(done).to_numpy()
+        report.skipped = int((~keep).sum())
+        table = table[keep].reset_index(drop=True)
+        keys = [k for k, kept in zip(keys, keep) if kept]
+        if len(table):
+            costs = evaluate_serving_table(table, keys)
+            out = finalize_rows(table, None, spec.name)
+            for src, dst in SERVING_COLUMNS.items():
+                out[dst] = costs[src].to_numpy()
+            out["mem_weights_bytes"] = out["serve_weights_bytes"]
+            out["mem_total_bytes"] = out["serve_mem_total_bytes"]
+            out["mem_headroom_bytes"] = out["serve_mem_headroom_bytes"]
+            fits = out["mem_headroom_bytes"].to_numpy() >= 0
+            out["status"] = np.where(fits, "ok", "infeasible")
+            out["reason"] = np.where(
+                fits, "", "weights + KV cache + working set exceed usable memory"
+            )
+            store.write(out)
+            report.evaluated = len(out)
+            report.status.update(out["status"].value_counts().to_dict())
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _rule(message: str) -> str:
+    """Group rejection messages by their rule (the text without the numbers)."""
+    return "".join(ch for ch in message if not ch.isdigit())
+
+
+def serving_top_table(df: pd.DataFrame, k: int = 10, by: str = "decode_tokens_per_s_per_gpu"):
+    ok = df[(df["status"] == "ok") & (df["workload"] == "serving")]
+    best = ok.sort_values(by, ascending=by not in ("decode_tokens_per_s_per_gpu",)).head(k)
+    return pd.DataFrame(
+        {
+            "model": best["model"],
+            "hardware": best["hardware"],
+            "tp": best["tp"],
+            "pp": best["pp"],
+            "batch": best["micro_batch"],
+            "prompt": best["prompt"],
+            "ttft_ms": (best["ttft_s"] * 1e3).round(1),
+            "tpot_ms": (best["tpot_s"] * 1e3).round(2),
+            "tok_s_gpu": best["decode_tokens_per_s_per_gpu"].round(0),
+            "mem_gib": (best["mem_total_bytes"] / GIB).round(1),
+            "kv_capacity": best["kv_capacity_seqs"],
+        }
+    ).reset_index(drop=True)

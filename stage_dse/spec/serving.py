@@ -1,0 +1,71 @@
+"""``ServingSpec``: an inference workload (prompt length, generated tokens, batch, dtypes).
+
+A serving plan is a ``ParallelPlan`` with tensor and pipeline parallelism (dp = cp = 1: a
+replica serves independently); :func:`validate_serving` checks it against a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from stage_dse.errors import ConfigError
+from stage_dse.spec._validate import coerce_enum, divides, positive_int
+from stage_dse.spec.model import ModelSpec
+from stage_dse.spec.plan import ParallelPlan
+from stage_dse.spec.training import DType
+
+__all__ = ["ServingSpec", "validate_serving"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSpec:
+    prompt_len: int
+    """Prompt tokens per sequence (prefill length)."""
+    output_tokens: int = 256
+    """Tokens generated per sequence; decode is costed at the mean context length
+    ``prompt_len + output_tokens / 2``."""
+    batch_size: int = 1
+    """Sequences decoded together per pipeline stage; with pp stages, pp such batches are in
+    flight (each stage works on one), so the KV cache holds pp x batch_size sequences."""
+    weights_dtype: DType = DType.BF16
+    kv_dtype: DType = DType.BF16
+
+    def __post_init__(self) -> None:
+        owner = "serving"
+        for f in ("prompt_len", "output_tokens", "batch_size"):
+            positive_int(owner, f, getattr(self, f))
+        for f in ("weights_dtype", "kv_dtype"):
+            object.__setattr__(self, f, coerce_enum(DType, owner, f, getattr(self, f)))
+
+    @property
+    def decode_context(self) -> float:
+        return self.prompt_len + self.output_tokens / 2
+
+    def replace(self, **changes: object) -> ServingSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> None:
+    if plan.dp != 1 or plan.cp != 1:
+        raise ConfigError(
+            f"serving plans use tp and pp only; got dp({plan.dp}) cp({plan.cp}) (replicas are "
+            "independent: count them as more GPUs)"
+        )
+    if plan.ep != 1:
+        raise ConfigError("serving: expert parallelism is not modelled; use expert_tensor_parallel")
+    if model.is_mla:
+        raise ConfigError("serving: latent-attention (MLA) caches are not modelled yet")
+    divides("tp", plan.tp, "heads", model.num_heads)
+    if model.num_kv_heads % plan.tp:
+        raise ConfigError(f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads})")
+    divides("tp", plan.tp, "vocab", model.vocab_size)
+    divides("tp", plan.tp, "ffn_hidden_size", model.ffn_hidden_size)
+    if plan.pp > model.num_layers:
+        raise ConfigError(f"pp({plan.pp}) > layers({model.num_layers})")
+    if model.is_moe and plan.tp > 1 and not plan.expert_tensor_parallel:
+        raise ConfigError(
+            f"serving a mixture-of-experts model on tp({plan.tp}) needs expert_tensor_parallel"
+        )
+    if plan.sequence_parallel or plan.schedule.value != "1f1b":
+        raise ConfigError("serving plans take no sequence parallelism or interleaving")
