@@ -31,7 +31,6 @@ import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _wrap
 from stage_dse.cost.time import _compute_time, collective_time
-from stage_dse.errors import ConfigError
 from stage_dse.graph.core import CollKind, Graph, OpKind, Phase, Role
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
@@ -112,7 +111,7 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
         boundary = graphs.boundary.local_bytes
         hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
 
-        def total(field: str) -> sp.Expr:
+        def total(field: str, emb=emb, blk=blk, head=head, dns=dns, n_dense=n_dense) -> sp.Expr:
             t = emb[field] + (L - n_dense) * blk[field] + head[field]
             return t + (n_dense * dns[field] if dns is not None else 0)
 
@@ -176,6 +175,3 @@ def evaluate_serving_table(table: pd.DataFrame, keys: list[ServingKey]) -> pd.Da
         y = fn(x[rows])
         frames.append(pd.DataFrame(y, columns=list(names), index=table.index[rows]))
     return pd.concat(frames).reindex(table.index)
-
-
-_ = ConfigError

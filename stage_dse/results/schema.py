@@ -31,10 +31,10 @@ STATUS = ("ok", "infeasible", "invalid", "error")
 LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_bytes")
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
-    "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp", "ep", "virtual_stages", "gpus_per_node",
-    "pod_gpus", "zero_stage", "param_bytes", "grad_bytes", "optimizer_bytes_per_param", "num_gpus",
-    "kv_bytes", "experts", "top_k", "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora",
-    "rope_dim", "v_head_dim",
+    "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
+    "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage", "param_bytes",
+    "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
+    "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
 }  # fmt: skip
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",

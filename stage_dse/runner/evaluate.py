@@ -24,10 +24,10 @@ from stage_dse.results.schema import (
     config_hash,
     cost_columns,
 )
-
-SERVING_OUTPUTS = set(SERVING_COLUMNS.values())
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
+
+SERVING_OUTPUTS = set(SERVING_COLUMNS.values())
 
 __all__ = [
     "Block",
