@@ -120,8 +120,12 @@ class OpNumbers:
     micros: int
 
 
-def _numbers(cfg: TraceConfig, ops: list[Op]) -> dict[int, OpNumbers]:
-    values = {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
+def _numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
+    if values is None:
+        values = {
+            **bind(cfg.model, cfg.training, cfg.plan),
+            **bind_hardware(cfg.hardware, cfg.cluster),
+        }
     subs = {Symbols.all()[k]: v for k, v in values.items()}
     order = cfg.plan.rank_order
     exprs = []

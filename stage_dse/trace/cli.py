@@ -22,7 +22,7 @@ import pandas as pd
 
 from stage_dse.errors import ConfigError, StageDseError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
-from stage_dse.trace.build import TraceConfig, write_trace_set
+from stage_dse.trace.build import TraceConfig, TraceSet, write_trace_set
 from stage_dse.trace.check import check_trace_dir
 from stage_dse.trace.encode import read_trace
 
@@ -178,7 +178,37 @@ def select_and_write(
     return list(written)
 
 
-def _config_mode(out: str, overrides: list[str], granularity: str) -> TraceConfig:
+def _serving_config_mode(cfg, out: str, steps: int):
+    from stage_dse.config.schema import to_serving_sweep
+    from stage_dse.spec.serving import ServingSpec
+    from stage_dse.trace.serving import write_serving_trace
+
+    spec = to_serving_sweep(cfg)
+    one = {}
+    for name, values in (
+        ("tp", spec.tp),
+        ("pp", spec.pp),
+        ("batch_size", spec.batch_sizes),
+        ("prompt_len", spec.prompt_lens),
+    ):
+        if isinstance(values, str) or len(values) != 1:
+            raise ConfigError(f"serving.{name}: give exactly one value for a trace, got {values!r}")
+        one[name] = values[0]
+    plan = ParallelPlan(
+        tp=one["tp"], pp=one["pp"], expert_tensor_parallel=spec.model.is_moe and one["tp"] > 1
+    )
+    serving = ServingSpec(
+        prompt_len=one["prompt_len"],
+        output_tokens=spec.output_tokens,
+        batch_size=one["batch_size"],
+        kv_dtype=spec.kv_dtype,
+        weights_dtype=spec.weights_dtype,
+    )
+    cluster = spec.cluster.replace(num_gpus=plan.num_gpus)
+    return write_serving_trace(spec.model, serving, plan, spec.hardware[0], cluster, out, steps)
+
+
+def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 4):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -190,6 +220,8 @@ def _config_mode(out: str, overrides: list[str], granularity: str) -> TraceConfi
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
+    if cfg.workload == "serving":
+        return _serving_config_mode(cfg, out, steps)
     spec = to_sweep(cfg)
     if len(spec.gpu_counts) != 1:
         raise ConfigError("num_gpus: give exactly one GPU count for a trace")
@@ -236,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p_cfg.add_argument("out")
     p_cfg.add_argument("overrides", nargs="*")
     p_cfg.add_argument("--granularity", default="segment", choices=["segment", "op"])
+    p_cfg.add_argument("--steps", type=int, default=4, help="decode steps (workload=serving)")
     p_chk = sub.add_parser("check", help="verify a trace set")
     p_chk.add_argument("dir")
     p_js = sub.add_parser("json", help="print one rank file as JSON, one node per line")
@@ -262,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                 if executor is not None:
                     executor.close()
         elif args.cmd == "config":
-            cfg = _config_mode(args.out, args.overrides, args.granularity)
-            ts = write_trace_set(cfg, args.out)
+            cfg = _config_mode(args.out, args.overrides, args.granularity, args.steps)
+            ts = cfg if isinstance(cfg, TraceSet) else write_trace_set(cfg, args.out)
             print(f"{ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {ts.path}")
             for w in ts.warnings:
                 print(f"warning: {w}")

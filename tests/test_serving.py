@@ -1,0 +1,196 @@
+"""Serving: KV cache bytes, memory-bound decode, TTFT/TPOT, capacity, sweeps and traces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.bind import bind, bind_hardware
+from stage_dse.cost.serving import evaluate_serving_table, serving_key
+from stage_dse.errors import ConfigError
+from stage_dse.results import ResultStore, load
+from stage_dse.runner.serving import ServingSweepSpec, run_serving
+from stage_dse.spec import ParallelPlan, TrainingSpec
+from stage_dse.spec.serving import ServingSpec, validate_serving
+from stage_dse.trace import check_trace_dir
+from stage_dse.trace.serving import write_serving_trace
+
+H100 = load_hardware("h100_sxm")
+
+
+def serve(model_name, plan, serving, hw=H100):
+    model = load_model(model_name)
+    key = serving_key(model, serving, plan)
+    like = TrainingSpec(seq_len=serving.prompt_len, global_batch_size=serving.batch_size)
+    cluster = load_cluster("dgx_h100", num_gpus=plan.num_gpus)
+    row = {
+        **bind(model, like, plan.replace(micro_batch_size=serving.batch_size)),
+        **bind_hardware(hw, cluster),
+        "prompt": serving.prompt_len,
+        "output_tokens": serving.output_tokens,
+    }
+    return evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+
+
+@pytest.mark.parametrize("preset", ["llama3_8b", "llama3_70b", "llama2_7b", "mixtral_8x7b"])
+def test_kv_cache_bytes_per_token(preset):
+    model = load_model(preset)
+    got = serve(
+        preset,
+        ParallelPlan(
+            tp=1 if preset != "mixtral_8x7b" else 2, expert_tensor_parallel=preset == "mixtral_8x7b"
+        ),
+        ServingSpec(prompt_len=1024),
+    )
+    assert (
+        got["serve_kv_bytes_per_token"]
+        == 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    )
+
+
+def test_fp8_cache_halves_the_kv_bytes():
+    a = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024))
+    b = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024, kv_dtype="fp8"))
+    assert b["serve_kv_bytes_per_token"] == a["serve_kv_bytes_per_token"] / 2
+
+
+def test_decode_of_llama3_8b_on_one_h100_is_memory_bound():
+    """Batch 1: every weight is read once per token, so the time per token is bounded below by
+    weights / HBM bandwidth (16.1 GB / 3.35 TB/s = 4.8 ms); the model says why: its memory term
+    dominates its compute term by orders of magnitude."""
+    got = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=2048, output_tokens=256))
+    floor = got["serve_weights_bytes"] / H100.hbm_bandwidth_bytes_per_s
+    assert floor == pytest.approx(16.06e9 / 3.35e12, rel=0.01)
+    assert got["serve_tpot_s"] >= floor
+    # the achieved-bandwidth estimate: every weight but the input embedding table (a decode
+    # step looks up one row per sequence) plus the KV cache, at memory_efficiency
+    kv = got["serve_kv_bytes_per_token"] * (2048 + 128)
+    embedding_table = 128256 * 4096 * 2
+    bound = (got["serve_weights_bytes"] - embedding_table + kv) / (
+        H100.hbm_bandwidth_bytes_per_s * H100.memory_efficiency
+    )
+    assert got["serve_tpot_s"] == pytest.approx(bound, rel=0.05)
+    assert got["serve_decode_memory_s"] > 100 * got["serve_decode_compute_s"]
+
+
+def test_prefill_is_compute_bound_and_scales_with_prompt():
+    a = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=2048, batch_size=8))
+    b = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=4096, batch_size=8))
+    assert 2.0 <= b["serve_ttft_s"] / a["serve_ttft_s"] < 2.4  # linear, plus attention's s^2
+    flops = 2 * 8.03e9 * 8 * 2048  # 2 x params x tokens
+    assert a["serve_ttft_s"] >= flops / H100.peak_flops
+
+
+def test_batching_raises_throughput_and_tensor_parallel_cuts_latency():
+    one = serve("llama3_70b", ParallelPlan(tp=8), ServingSpec(prompt_len=2048, batch_size=1))
+    many = serve("llama3_70b", ParallelPlan(tp=8), ServingSpec(prompt_len=2048, batch_size=64))
+    assert many["serve_tokens_per_s_per_gpu"] > 20 * one["serve_tokens_per_s_per_gpu"]
+    tp4 = serve("llama3_70b", ParallelPlan(tp=4), ServingSpec(prompt_len=2048, batch_size=1))
+    assert one["serve_tpot_s"] < tp4["serve_tpot_s"]
+
+
+def test_kv_capacity():
+    got = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=2048, output_tokens=256))
+    per_seq = got["serve_kv_bytes_per_token"] * (2048 + 256)
+    free = H100.usable_bytes - got["serve_weights_bytes"] - got["serve_working_bytes"]
+    assert got["serve_kv_capacity_seqs"] == int(free // per_seq)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (ParallelPlan(dp=2), "serving plans use tp and pp only"),
+        (ParallelPlan(tp=16), "tp(16) does not divide kv_heads(8)"),
+        (ParallelPlan(pp=100), "pp(100) > layers(32)"),
+    ],
+)
+def test_serving_validation(plan, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_serving(load_model("llama3_8b"), ServingSpec(prompt_len=128), plan)
+
+
+def test_serving_sweep_lands_in_parquet(tmp_path):
+    spec = ServingSweepSpec(
+        name="serve",
+        model=load_model("llama3_70b"),
+        hardware=(H100, load_hardware("h200")),
+        cluster=load_cluster("dgx_h100"),
+        tp=(2, 4, 8),
+        pp=(1, 2),
+        batch_sizes=(1, 32),
+        prompt_lens=(2048, 8192),
+    )
+    store = ResultStore(tmp_path / "serve")
+    report = run_serving(spec, store, log=lambda s: None)
+    df = pd.read_parquet(tmp_path / "serve")
+    assert len(df) == report.valid == 2 * 3 * 2 * 2 * 2 and df["config_hash"].is_unique
+    assert set(df["workload"]) == {"serving"}
+    ok = df[df.status == "ok"]
+    assert len(ok) and (ok.mem_total_bytes <= ok.usable_memory).all()
+    # H200's bandwidth makes decode faster for the same plan
+    h100 = ok[
+        (ok.hardware == "h100_sxm")
+        & (ok.tp == 8)
+        & (ok.pp == 1)
+        & (ok.micro_batch == 32)
+        & (ok.prompt == 2048)
+    ]
+    h200 = ok[
+        (ok.hardware == "h200")
+        & (ok.tp == 8)
+        & (ok.pp == 1)
+        & (ok.micro_batch == 32)
+        & (ok.prompt == 2048)
+    ]
+    assert h200["tpot_s"].iloc[0] < h100["tpot_s"].iloc[0]
+    assert run_serving(spec, store, log=lambda s: None).evaluated == 0  # rerun skips
+    assert len(load(tmp_path / "serve")) == len(df)
+
+
+def test_serving_sweep_through_the_cli(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stage_dse.cli",
+            "+sweep=llama3_70b_serving",
+            f"results_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "top 10 serving configurations" in proc.stdout
+    df = pd.read_parquet(tmp_path / "llama3_70b_serving")
+    assert set(df["hardware"]) == {"h100_sxm", "h200"} and len(df) > 100
+
+
+@pytest.mark.parametrize(
+    ("preset", "plan"),
+    [
+        ("llama3_8b", ParallelPlan(tp=2, pp=2)),
+        ("llama3_8b", ParallelPlan(pp=4)),
+        ("mixtral_8x7b", ParallelPlan(tp=4, expert_tensor_parallel=True)),
+    ],
+)
+def test_decode_trace_passes_the_checker(tmp_path, preset, plan):
+    ts = write_serving_trace(
+        load_model(preset),
+        ServingSpec(prompt_len=1024, batch_size=4),
+        plan,
+        H100,
+        load_cluster("dgx_h100", num_gpus=plan.num_gpus),
+        tmp_path,
+        steps=3,
+    )
+    assert ts.files == plan.num_gpus
+    assert check_trace_dir(tmp_path) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
+    assert manifest["decode_steps"] == 3
