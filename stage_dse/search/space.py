@@ -50,6 +50,7 @@ def _moe_rules(model, tp, ep, etp, sp_, dp) -> list[tuple[str, np.ndarray]]:
         ]
     E, fe = model.num_experts, model.moe_ffn_hidden_size
     return [
+        ("expert_tensor_parallel needs tp > 1", etp & (tp == 1)),
         (f"ep does not divide experts({E})", E % ep != 0),
         ("ep does not divide dp", np.where(ep > 0, dp % np.maximum(ep, 1), 1) != 0),
         ("tp > 1 with experts needs sequence parallelism", (tp > 1) & ~sp_),

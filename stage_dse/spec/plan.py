@@ -150,6 +150,8 @@ class ParallelPlan:
         object.__setattr__(self, "rank_order", order)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("plan.sequence_parallel=true needs tp > 1, got tp(1)")
+        if self.expert_tensor_parallel and self.tp == 1:
+            raise ConfigError("plan.expert_tensor_parallel=true needs tp > 1, got tp(1)")
         if self.schedule is PipelineSchedule.INTERLEAVED:
             if self.pp == 1:
                 raise ConfigError("plan.schedule=interleaved needs pp > 1, got pp(1)")
