@@ -180,3 +180,31 @@ def test_deepseek_v3_published_layout_fits():
     )
     assert got["mem_total"] < H100.usable_bytes
     assert got["time_ep_comm_s"] > 0 and 0 < got["mfu"] < 0.6
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus"), [("mixtral_8x7b_h100", "[64]"), ("deepseek_v3_2048", "[2048]")]
+)
+def test_named_moe_sweeps_land_in_parquet(tmp_path, name, gpus):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stage_dse.cli import run
+    from stage_dse.config import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                f"+sweep={name}",
+                f"results_dir={tmp_path}",
+                "runner=local",
+                "runner.progress=false",
+                f"num_gpus={gpus}",
+            ],
+        )
+    assert run(cfg) > 0
+    df = load(tmp_path / name)
+    assert (df["status"] == "ok").any() and (df["ep"] > 1).any()
+    assert (df.loc[df.status == "ok", "ep_comm_s"] >= 0).all()

@@ -24,13 +24,12 @@ from stage_dse.spec import (
     validate_plan,
 )
 
-__all__ = ["bind", "bind_hardware", "evaluate_plan", "moe_values"]
+__all__ = ["bind", "bind_hardware", "evaluate_plan", "model_values", "moe_values"]
 
 
-def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[str, float]:
-    """Values of the model, step and plan symbols for one concrete configuration."""
+def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
+    """Values of the model and training-step symbols (everything but the plan's)."""
     return {
-        "micro_batch": plan.micro_batch_size,
         "seq": training.seq_len,
         "hidden": model.hidden_size,
         "ffn": model.ffn_hidden_size,
@@ -45,6 +44,14 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
+    }
+
+
+def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[str, float]:
+    """Values of the model, step and plan symbols for one concrete configuration."""
+    return {
+        "micro_batch": plan.micro_batch_size,
+        **model_values(model, training),
         "dp": plan.dp,
         "tp": plan.tp,
         "pp": plan.pp,

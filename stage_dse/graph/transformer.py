@@ -456,12 +456,13 @@ class _Builder:
         )
 
 
-@lru_cache(maxsize=256)
-def _build(key: GraphKey) -> ModelGraphs:
-    embed, _ = _Builder(key).embed()
-    block = _Builder(key).block()
-    dense = _Builder(key).block(dense=True) if key.moe and key.dense_layers else None
-    head, tied = _Builder(key).head()
+def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs:
+    embed, _ = _Builder(key, mode, kv_bytes).embed()
+    block = _Builder(key, mode, kv_bytes).block()
+    dense = None
+    if key.moe and key.dense_layers:
+        dense = _Builder(key, mode, kv_bytes).block(dense=True)
+    head, tied = _Builder(key, mode, kv_bytes).head()
     assert block.block_input is not None
     return ModelGraphs(
         key=key,
@@ -474,25 +475,15 @@ def _build(key: GraphKey) -> ModelGraphs:
     )
 
 
+@lru_cache(maxsize=256)
+def _build(key: GraphKey) -> ModelGraphs:
+    return _assemble(key, None)
+
+
 @lru_cache(maxsize=64)
 def build_serving_graphs(key: GraphKey, mode: str, kv_bytes: int) -> ModelGraphs:
     """Forward-only graphs of one serving pass (``mode``: "prefill" or "decode")."""
-    embed, _ = _Builder(key, mode, kv_bytes).embed()
-    block = _Builder(key, mode, kv_bytes).block()
-    dense = (
-        _Builder(key, mode, kv_bytes).block(dense=True) if key.moe and key.dense_layers else None
-    )
-    head, _ = _Builder(key, mode, kv_bytes).head()
-    assert block.block_input is not None
-    return ModelGraphs(
-        key=key,
-        embed=embed,
-        block=block,
-        head=head,
-        boundary=block.block_input,
-        tied_head_weight=None,
-        dense=dense,
-    )
+    return _assemble(key, mode, kv_bytes)
 
 
 def build_graphs(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> ModelGraphs:

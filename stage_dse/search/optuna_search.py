@@ -245,7 +245,7 @@ def run_optuna(
 
 def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
     """Configuration columns of a plan that failed validation (recorded as an invalid row)."""
-    from stage_dse.cost.bind import bind_hardware, moe_values
+    from stage_dse.cost.bind import bind_hardware, model_values
     from stage_dse.cost.table import model_columns
 
     mp = p["tp"] * p["pp"] * p["cp"]
@@ -258,20 +258,7 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
         {
             "num_gpus": p["num_gpus"],
             "micro_batch": p["micro_batch_size"],
-            "seq": spec.training.seq_len,
-            "hidden": model.hidden_size,
-            "ffn": model.ffn_hidden_size,
-            "heads": model.num_heads,
-            "kv_heads": model.num_kv_heads,
-            "head_dim": model.head_dim,
-            "vocab": model.vocab_size,
-            "layers": model.num_layers,
-            "positions": model.max_positions or spec.training.seq_len,
-            **moe_values(model),
-            "global_batch": spec.training.global_batch_size,
-            "context": spec.training.seq_len,
-            "prompt": spec.training.seq_len,
-            "output_tokens": 1,
+            **model_values(model, spec.training),
             "dp": p["num_gpus"] // mp if p["num_gpus"] % mp == 0 else 0,
             "tp": p["tp"],
             "pp": p["pp"],

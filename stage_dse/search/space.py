@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.bind import bind_hardware, moe_values
+from stage_dse.cost.bind import bind_hardware, model_values
 from stage_dse.cost.table import model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
@@ -245,20 +245,7 @@ def enumerate_plans(
         **model_columns(model, training),
         "hardware": hardware.name,
         "cluster": cluster.name,
-        "seq": s,
-        "hidden": model.hidden_size,
-        "ffn": f,
-        "heads": a,
-        "kv_heads": g,
-        "head_dim": model.head_dim,
-        "vocab": V,
-        "layers": L,
-        "positions": model.max_positions or s,
-        **moe_values(model),
-        "global_batch": B,
-        "context": s,
-        "prompt": s,
-        "output_tokens": 1,
+        **model_values(model, training),
         **bind_hardware(hardware, cluster),
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
