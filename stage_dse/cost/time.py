@@ -21,8 +21,9 @@ Model, in order of the terms of ``time_step_s``:
   sends ``(n - n_in)/n`` of its buffer over the NIC. Latency: ring steps inside the domain,
   tree steps (log2) for all-reduce across domains, ring steps for gathers. Groups spanning more
   than ``pod_gpus`` see the scale-out bandwidth divided by ``oversubscription``.
-* **Exposure.** Tensor-parallel collectives sit on the critical path (or hide behind GEMMs
-  with ``tp_comm_overlap``); the context-parallel ring hides behind attention compute; ZeRO-3
+* **Exposure.** Tensor-parallel collectives and the expert-parallel all-to-alls sit on the
+  critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``); the
+  context-parallel ring hides behind attention compute; ZeRO-3
   gathers and ZeRO-2/3 reduce-scatters prefetch behind the micro-batch's compute; pipeline
   send/recv is exposed.
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
