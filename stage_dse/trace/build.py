@@ -167,7 +167,7 @@ class StageTemplate:
 class _Program:
     """Builds one stage's node list with dependencies (ids local to the file)."""
 
-    def __init__(self, cfg: TraceConfig, numbers: dict[int, OpNumbers], rank_hint: int) -> None:
+    def __init__(self, cfg: TraceConfig, numbers: dict[int, OpNumbers]) -> None:
         self.cfg = cfg
         self.numbers = numbers
         self.pieces: list[Piece] = []
@@ -384,7 +384,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         return runs
 
     for s in range(pp):
-        prog = _Program(cfg, numbers, 0)
+        prog = _Program(cfg, numbers)
         chunks: list[list[tuple[Graph, int]]] = []
         for c in range(v):
             sections: list[tuple[Graph, int]] = []

@@ -91,7 +91,7 @@ def write_serving_trace(
     pp = plan.pp
     templates = []
     for s in range(pp):
-        prog = _Program(cfg, numbers, 0)
+        prog = _Program(cfg, numbers)
         sections = stage_sections(s)
         fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
         for step in range(steps):
