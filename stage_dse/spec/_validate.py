@@ -19,10 +19,13 @@ def positive_int(owner: str, field: str, value: object) -> None:
 
 
 def non_negative_int(owner: str, field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{owner}.{field} must be an integer, got {value!r}")
-    if value < 0:
-        raise ConfigError(f"{owner}.{field} must be >= 0, got {value}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+
+
+def non_negative_number(owner: str, field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{owner}.{field} must be a number >= 0, got {value!r}")
 
 
 def positive_number(owner: str, field: str, value: object) -> None:

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import positive_int, positive_number
+from stage_dse.spec._validate import non_negative_number, positive_int, positive_number
 
 __all__ = ["ClusterSpec", "HardwareSpec"]
 
@@ -57,9 +57,7 @@ class HardwareSpec:
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             _fraction(owner, f, getattr(self, f))
         for f in ("memory_reserve_bytes", "kernel_launch_s"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ConfigError(f"{owner}.{f} must be a number >= 0, got {v!r}")
+            non_negative_number(owner, f, getattr(self, f))
         if self.memory_reserve_bytes >= self.hbm_bytes:
             raise ConfigError(
                 f"hardware.memory_reserve_bytes({self.memory_reserve_bytes:.3g}) >= "
@@ -104,9 +102,7 @@ class ClusterSpec:
         for f in ("intra_bandwidth_bytes_per_s", "inter_bandwidth_bytes_per_s", "oversubscription"):
             positive_number(owner, f, getattr(self, f))
         for f in ("intra_latency_s", "inter_latency_s"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ConfigError(f"{owner}.{f} must be a number >= 0, got {v!r}")
+            non_negative_number(owner, f, getattr(self, f))
         for f in ("intra_efficiency", "inter_efficiency"):
             _fraction(owner, f, getattr(self, f))
         if self.pod_gpus < 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import coerce_enum, positive_int
+from stage_dse.spec._validate import coerce_enum, non_negative_int, positive_int
 
 __all__ = ["MlpKind", "ModelSpec", "NormKind", "PositionKind"]
 
@@ -100,9 +100,7 @@ class ModelSpec:
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "vocab_size"):
             positive_int(owner, field, getattr(self, field))
         for field in ("num_kv_heads", "head_dim", "max_positions"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+            non_negative_int(owner, field, getattr(self, field))
         object.__setattr__(self, "norm", coerce_enum(NormKind, owner, "norm", self.norm))
         object.__setattr__(self, "mlp", coerce_enum(MlpKind, owner, "mlp", self.mlp))
         object.__setattr__(
@@ -119,9 +117,7 @@ class ModelSpec:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         for field in ("num_experts", "top_k", "moe_ffn_hidden_size", "num_shared_experts",
                       "first_dense_layers"):  # fmt: skip
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+            non_negative_int(owner, field, getattr(self, field))
         if self.num_experts:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ConfigError(
@@ -145,9 +141,7 @@ class ModelSpec:
                 "model.top_k/num_shared_experts/first_dense_layers need num_experts > 0"
             )
         for field in ("q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{owner}.{field} must be an integer >= 0, got {value!r}")
+            non_negative_int(owner, field, getattr(self, field))
         if self.is_mla:
             if not (self.kv_lora_rank and self.rope_head_dim):
                 raise ConfigError(
