@@ -30,6 +30,19 @@ def _fmt_counter(c: Counter, indent: str = "  ") -> str:
     return "\n".join(f"{indent}{n:>12,}  {reason}" for reason, n in c.most_common())
 
 
+def _print_outcomes(store, df, report, rejected_title: str) -> None:
+    print(
+        f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,} "
+        f"in {report.seconds:.1f} s)"
+    )
+    if report.status:
+        print("outcomes of this run:")
+        print(_fmt_counter(report.status))
+    if report.rejected:
+        print(rejected_title)
+        print(_fmt_counter(report.rejected))
+
+
 def run(cfg: DictConfig) -> int:
     """One Hydra job: the whole sweep; returns the number of rows evaluated."""
     from stage_dse.results.store import ResultStore
@@ -63,16 +76,7 @@ def run(cfg: DictConfig) -> int:
     finally:
         executor.close()
     df = store.read()
-    print(
-        f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,} "
-        f"in {report.seconds:.1f} s)"
-    )
-    if report.status:
-        print("outcomes of this run:")
-        print(_fmt_counter(report.status))
-    if report.rejected:
-        print("plans rejected before evaluation, by rule:")
-        print(_fmt_counter(report.rejected))
+    _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:")
     if report.trial_states:
         print("optuna trials by state:")
         print(_fmt_counter(report.trial_states))
@@ -106,13 +110,7 @@ def _run_serving(cfg: DictConfig) -> int:
     store = ResultStore(Path(cfg.results_dir) / spec.name)
     report = run_serving(spec, store)
     df = store.read()
-    print(f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,})")
-    if report.status:
-        print("outcomes of this run:")
-        print(_fmt_counter(report.status))
-    if report.rejected:
-        print("configurations rejected, by rule:")
-        print(_fmt_counter(report.rejected))
+    _print_outcomes(store, df, report, "configurations rejected, by rule:")
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
     print(top.to_string(index=False) if len(top) else "  none fits")

@@ -173,23 +173,14 @@ class _Builder:
 
     full = (BATCH, (CP,), ())
 
-    def w(self, name: str, axes, layout) -> Tensor:
+    def w(self, name: str, axes, layout, states_over=DATA_AXES) -> Tensor:
+        """A parameter whose ZeRO states (and FSDP shards) are split over ``states_over``."""
         return self.g.weight(
             name,
             axes,
             layout,
             self.pb,
-            shard_states_over=DATA_AXES,
-            fsdp=self.k.zero_stage == 3,
-        )
-
-    def w_expert(self, name: str, axes, layout) -> Tensor:
-        return self.g.weight(
-            name,
-            axes,
-            layout,
-            self.pb,
-            shard_states_over=EXPERT_DATA_AXES,
+            shard_states_over=states_over,
             fsdp=self.k.zero_stage == 3,
         )
 
@@ -245,9 +236,15 @@ class _Builder:
         if etp:  # experts split over TP: gather the TP group's tokens
             x_e = g.redistribute(x_e, [expert_ranks, tuple(m for m in slots if m is not TP), ()])
         f_split = (TP,) if etp else ()
-        w1 = self.w_expert("experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split])
-        w3 = self.w_expert("experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split])
-        w2 = self.w_expert("experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()])
+        w1 = self.w(
+            "experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], EXPERT_DATA_AXES
+        )
+        w3 = self.w(
+            "experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], EXPERT_DATA_AXES
+        )
+        w2 = self.w(
+            "experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()], EXPERT_DATA_AXES
+        )
         gate = g.einsum("experts.gate_proj", x_e, w1, [E, C, Fe])
         up = g.einsum("experts.up_proj", x_e, w3, [E, C, Fe])
         act = g.pointwise(SWIGLU, "experts.swiglu", gate, up)
