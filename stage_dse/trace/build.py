@@ -306,6 +306,18 @@ def _emit_ops(prog: _Program, ops: list[Op], consumed: set[int], skip_step: bool
             prog.compute(op)
 
 
+def layer_runs(graphs, model: ModelSpec, start: int, count: int) -> list[tuple[Graph, int]]:
+    """Layers [start, start + count) as runs of leading dense layers and block layers."""
+    dense_layers = model.first_dense_layers if graphs.dense is not None else 0
+    n_dense = max(0, min(dense_layers, start + count) - start)
+    runs = []
+    if n_dense:
+        runs.append((graphs.dense, n_dense))
+    if count - n_dense:
+        runs.append((graphs.block, count - n_dense))
+    return runs
+
+
 def schedule_order(stage: int, pp: int, m: int, v: int) -> list[tuple[str, int, int]]:
     """(phase, micro-batch, model chunk) in execution order on one pipeline stage.
 
@@ -371,18 +383,6 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     }
     mesh = Mesh(plan)
     templates = []
-    dense_layers = model.first_dense_layers if graphs.dense is not None else 0
-
-    def layer_runs(start: int, count: int) -> list[tuple[Graph, int]]:
-        """Layers [start, start + count) as runs of dense and (MoE) block layers."""
-        n_dense = max(0, min(dense_layers, start + count) - start)
-        runs = []
-        if n_dense:
-            runs.append((graphs.dense, n_dense))
-        if count - n_dense:
-            runs.append((graphs.block, count - n_dense))
-        return runs
-
     for s in range(pp):
         prog = _Program(cfg, numbers)
         chunks: list[list[tuple[Graph, int]]] = []
@@ -392,7 +392,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 sections.append((graphs.embed, 1))
             # first global layer of this chunk (virtual stage c * pp + s when interleaved)
             start = sum(layers[:s]) if v == 1 else (c * pp + s) * chunk_layers[s][c]
-            sections.extend(layer_runs(start, chunk_layers[s][c]))
+            sections.extend(layer_runs(graphs, model, start, chunk_layers[s][c]))
             if s == pp - 1 and c == v - 1:
                 sections.append((graphs.head, 1))
             chunks.append(sections)
@@ -523,6 +523,37 @@ def write_ranks(
     return total, hi - lo, time.process_time() - cpu0, rss_mib
 
 
+def write_all_ranks(
+    out: Path, prefix: str, mesh: Mesh, templates, executor=None, ranks_per_task: int = 2048
+) -> tuple[int, int, float, float]:
+    """Every rank file, in this process or as executor tasks over rank ranges; returns
+    (bytes, files, CPU seconds of the tasks, their peak RSS in MiB)."""
+    ranges = [
+        (lo, min(lo + ranks_per_task, mesh.world)) for lo in range(0, mesh.world, ranks_per_task)
+    ]
+    total_bytes = files = 0
+    worker_cpu = worker_rss = 0.0
+    if executor is None:
+        for lo, hi in ranges:
+            b, f, _, _ = write_ranks(str(out), prefix, mesh, templates, lo, hi)
+            total_bytes += b
+            files += f
+        return total_bytes, files, worker_cpu, worker_rss
+    mesh_ref, templates_ref = executor.share(mesh), executor.share(templates)
+    tasks = [
+        (i, (str(out), prefix, mesh_ref, templates_ref, lo, hi))
+        for i, (lo, hi) in enumerate(ranges)
+    ]
+    for _, result in executor.map(write_ranks, tasks):
+        if isinstance(result, BaseException):
+            raise result
+        total_bytes += result[0]
+        files += result[1]
+        worker_cpu += result[2]
+        worker_rss = max(worker_rss, result[3])
+    return total_bytes, files, worker_cpu, worker_rss
+
+
 @dataclass
 class TraceSet:
     path: Path
@@ -562,27 +593,9 @@ def write_trace_set(
         )
     groups = mesh.groups_json()
     (out / "comm_groups.json").write_text(json.dumps(groups))
-    tasks = [
-        (i, (str(out), prefix, mesh, templates, lo, min(lo + ranks_per_task, mesh.world)))
-        for i, lo in enumerate(range(0, mesh.world, ranks_per_task))
-    ]
-    total_bytes = files = 0
-    worker_cpu = worker_rss = 0.0
-    if executor is None:
-        for _, args in tasks:
-            b, f, _, _ = write_ranks(*args)
-            total_bytes += b
-            files += f
-    else:
-        mesh_ref, templates_ref = executor.share(mesh), executor.share(templates)
-        tasks = [(i, (a[0], a[1], mesh_ref, templates_ref, a[4], a[5])) for i, a in tasks]
-        for _, result in executor.map(write_ranks, tasks):
-            if isinstance(result, BaseException):
-                raise result
-            total_bytes += result[0]
-            files += result[1]
-            worker_cpu += result[2]
-            worker_rss = max(worker_rss, result[3])
+    total_bytes, files, worker_cpu, worker_rss = write_all_ranks(
+        out, prefix, mesh, templates, executor, ranks_per_task
+    )
     pp_stride = mesh.stride[MeshAxis.PP]
     ranks_per_stage = mesh.world // cfg.plan.pp
     comp_flops = sum(t.flops * ranks_per_stage for t in templates)

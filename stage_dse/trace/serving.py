@@ -27,8 +27,9 @@ from stage_dse.trace.build import (
     _emit_ops,
     _numbers,
     _Program,
+    layer_runs,
     stage_layers,
-    write_ranks,
+    write_all_ranks,
 )
 from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
 
@@ -76,12 +77,7 @@ def write_serving_trace(
 
     def stage_sections(s: int) -> list:
         sections = [(graphs.embed, 1)] if s == 0 else []
-        dense = model.first_dense_layers if graphs.dense is not None else 0
-        start = sum(layers[:s])
-        n_dense = max(0, min(dense, start + layers[s]) - start)
-        if n_dense:
-            sections.append((graphs.dense, n_dense))
-        sections.append((graphs.block, layers[s] - n_dense))
+        sections.extend(layer_runs(graphs, model, sum(layers[:s]), layers[s]))
         if s == plan.pp - 1:
             sections.append((graphs.head, 1))
         return sections
@@ -121,11 +117,7 @@ def write_serving_trace(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comm_groups.json").write_text(json.dumps(mesh.groups_json()))
-    total = files = 0
-    for lo in range(0, mesh.world, 2048):
-        b, f, _, _ = write_ranks(str(out), prefix, mesh, templates, lo, min(lo + 2048, mesh.world))
-        total += b
-        files += f
+    total, files, _, _ = write_all_ranks(out, prefix, mesh, templates)
     ranks_per_stage = mesh.world // pp
     # flops of the forward ops by direct substitution (not the lambdified per-op numbers)
     flops_expected = 0.0
