@@ -11,6 +11,7 @@ call of its compiled function.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 
 import numpy as np
 import pandas as pd
@@ -37,6 +38,8 @@ from stage_dse.spec import (
 
 __all__ = [
     "KEY_COLUMNS",
+    "PlanColumns",
+    "evaluate_columns",
     "evaluate_table",
     "key_from_values",
     "model_columns",
@@ -170,6 +173,105 @@ def plans_table(
     return pd.DataFrame([plan_row(model, training, p, hardware, cluster) for p in plans])
 
 
+class PlanColumns:
+    """A plan table kept as columns: a column is either one value for every row (a constant,
+    e.g. the model's hidden size) or an array of ``rows`` values (a numpy array, or a
+    :class:`pandas.Categorical` for text). Sweeps evaluate these without building a DataFrame;
+    :meth:`frame` gives the equivalent plan table."""
+
+    def __init__(self, rows: int, columns: dict[str, object]) -> None:
+        self.rows = rows
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.columns
+
+    def is_constant(self, name: str) -> bool:
+        return not isinstance(self.columns[name], np.ndarray | pd.Categorical)
+
+    def array(self, name: str) -> np.ndarray | pd.Categorical:
+        """A column with one value per row."""
+        v = self.columns[name]
+        if not self.is_constant(name):
+            return v
+        if isinstance(v, str):
+            return pd.Categorical.from_codes(np.zeros(self.rows, dtype=np.int8), categories=[v])
+        return np.full(self.rows, v)
+
+    def take(self, index: np.ndarray) -> PlanColumns:
+        """The rows at ``index`` (positions or a boolean mask)."""
+        cols = {
+            k: v if self.is_constant(k) else v[index]  # type: ignore[index]
+            for k, v in self.columns.items()
+        }
+        rows = int(index.sum()) if index.dtype == bool else len(index)
+        return PlanColumns(rows, cols)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame({k: self.array(k) for k in self.columns})
+
+    def symbol_matrix(self) -> np.ndarray:
+        """``(rows, len(SYMBOL_NAMES))`` float64 input of the compiled families."""
+        x = np.empty((self.rows, len(SYMBOL_NAMES)))
+        for j, name in enumerate(SYMBOL_NAMES):
+            x[:, j] = self.columns[name]
+        return x
+
+    def family_runs(self) -> list[tuple[dict, int, int]]:
+        """Maximal runs of rows sharing the structural columns: (their values, start, stop)."""
+        cuts: set[int] = set()
+        for col in KEY_COLUMNS:
+            if not self.is_constant(col):
+                v = self.columns[col]
+                v = v.codes if isinstance(v, pd.Categorical) else v
+                cuts.update((np.flatnonzero(v[1:] != v[:-1]) + 1).tolist())
+        bounds = [0, *sorted(cuts), self.rows]
+        runs = []
+        for a, b in pairwise(bounds):
+            values = {
+                col: self.columns[col] if self.is_constant(col) else self.columns[col][a]
+                for col in KEY_COLUMNS
+            }
+            runs.append((values, a, b))
+        return runs
+
+
+def evaluate_columns(plans: PlanColumns, subset: str = "all") -> tuple[list[str], np.ndarray]:
+    """Every cost of every row of ``plans``: output names and a ``(rows, len(names))`` matrix
+    (one compiled call per run of rows of one family, see :func:`evaluate_table`)."""
+    missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in plans]
+    if missing:
+        raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
+    runs = [
+        (compile_family(key_from_values(v), None, subset), a, b) for v, a, b in plans.family_runs()
+    ]
+    return _evaluate_runs(plans.symbol_matrix(), runs)
+
+
+def _evaluate_runs(x: np.ndarray, runs: list) -> tuple[list[str], np.ndarray]:
+    """Evaluate rows ``[a, b)`` of ``x`` with their family; the union of the output columns
+    (a communication column a family does not have is 0 bytes)."""
+    names: dict[str, int] = {}
+    for family, _, _ in runs:
+        for n in family.names:
+            names.setdefault(n, len(names))
+    out = np.zeros((len(x), len(names)))
+    for family, a, b in runs:
+        cols = np.fromiter((names[n] for n in family.names), dtype=np.intp)
+        contiguous = bool(np.all(np.diff(cols) == 1))
+        for lo in range(a, b, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, b)
+            y = family(x[lo:hi])
+            if contiguous:
+                out[lo:hi, cols[0] : cols[-1] + 1] = y
+            else:
+                out[lo:hi, cols] = y
+    return list(names), out
+
+
 def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
     """Every cost of every row, indexed like ``table`` (one compiled call per family/chunk).
 
@@ -189,40 +291,24 @@ def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
         c, u = pd.factorize(table[col], sort=False)
         codes = codes * max(len(u), 1) + c
         factors.append((c, list(u)))
+    x = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)
     runs = np.flatnonzero(np.diff(codes)) + 1
     if len(runs) + 1 == len(np.unique(codes)):
         order = None  # rows of each family are already contiguous (enumeration emits them so)
         starts = np.concatenate(([0], runs))
-        x_sorted = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)
     else:
         order = np.argsort(codes, kind="stable")
-        bounds = np.flatnonzero(np.diff(codes[order])) + 1
-        starts = np.concatenate(([0], bounds))
-        x_sorted = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(codes[order])) + 1))
+        x = x[order]
     ends = np.concatenate((starts[1:], [len(table)]))
     families = []
     for a, b in zip(starts, ends):
         row = a if order is None else order[a]
         values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
         families.append((compile_family(key_from_values(values), None, subset), a, b))
-    names: dict[str, int] = {}
-    for family, _, _ in families:
-        for n in family.names:
-            names.setdefault(n, len(names))
-    out_sorted = np.zeros((len(table), len(names)))  # absent comm columns stay 0 bytes
-    for family, a, b in families:
-        cols = np.fromiter((names[n] for n in family.names), dtype=np.intp)
-        contiguous = bool(np.all(np.diff(cols) == 1))
-        for lo in range(a, b, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, b)
-            y = family(x_sorted[lo:hi])
-            if contiguous:
-                out_sorted[lo:hi, cols[0] : cols[-1] + 1] = y
-            else:
-                out_sorted[lo:hi, cols] = y
-    if order is None:
-        out = out_sorted
-    else:
-        out = np.empty_like(out_sorted)
-        out[order] = out_sorted
-    return pd.DataFrame(out, columns=list(names), index=table.index, copy=False)
+    names, out = _evaluate_runs(x, families)
+    if order is not None:
+        unsorted = np.empty_like(out)
+        unsorted[order] = out
+        out = unsorted
+    return pd.DataFrame(out, columns=names, index=table.index, copy=False)

@@ -1,10 +1,11 @@
 """Search spaces over parallel plans and their vectorized enumeration.
 
 What lives here: :class:`SearchSpace` (the values each plan axis may take; ``"auto"`` means every
-divisor of the GPU count) and :func:`enumerate_plans`, which builds the cartesian product as
-numpy arrays, applies the same divisibility rules as :func:`stage_dse.spec.validate_plan` as
-vectorized masks, and returns the valid plans as a plan table together with how many were
-rejected by which rule (the first rule a plan breaks). No per-plan Python loop.
+divisor of the GPU count) and :func:`enumerate_plans`, which lays the cartesian product out as a
+numpy grid, applies the same divisibility rules as :func:`stage_dse.spec.validate_plan` as
+broadcast masks, and returns the valid plans as columns (:class:`stage_dse.cost.table.PlanColumns`,
+or a plan table) together with how many were rejected by which rule (the first rule a plan
+breaks). No per-plan Python loop.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
 
 from stage_dse.cost.bind import bind_hardware, model_values
-from stage_dse.cost.table import model_columns
+from stage_dse.cost.table import PlanColumns, model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
     AttentionKernel,
@@ -32,13 +34,6 @@ from stage_dse.spec import (
 __all__ = ["Enumeration", "SearchSpace", "divisors", "enumerate_plans"]
 
 Axis = Sequence[int] | str
-
-
-def _const(value: object, rows: int):
-    """A constant column: categorical for text (cheap to build, dictionary-encoded on disk)."""
-    if isinstance(value, str):
-        return pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), categories=[value])
-    return np.full(rows, value)
 
 
 def _moe_rules(model, tp, ep, etp, sp_, dp) -> list[tuple[str, np.ndarray]]:
@@ -128,13 +123,18 @@ def _positive_list(name: str, values: Sequence[int]) -> None:
 
 @dataclass
 class Enumeration:
-    table: pd.DataFrame
-    """Valid plans as a plan table (see :mod:`stage_dse.cost.table`)."""
+    columns: PlanColumns | None
+    """Valid plans as columns (None when only counted)."""
     candidates: int
     rejected: Counter = field(default_factory=Counter)
     """Rule (as text) -> plans rejected by it first."""
     valid: int = 0
-    """Valid plans of the whole enumeration (``table`` may hold a slice of them)."""
+    """Valid plans of the whole enumeration (``columns`` may hold a slice of them)."""
+
+    @cached_property
+    def table(self) -> pd.DataFrame:
+        """Valid plans as a plan table (see :mod:`stage_dse.cost.table`)."""
+        return pd.DataFrame() if self.columns is None else self.columns.frame()
 
 
 def enumerate_plans(
@@ -149,8 +149,12 @@ def enumerate_plans(
 ) -> Enumeration:
     """Every valid plan of ``space`` on exactly ``num_gpus`` GPUs (default: the whole cluster).
 
-    ``rows`` keeps a slice of the valid plans (in their deterministic order), so batches of one
-    enumeration can be rebuilt anywhere; ``count_only`` skips building the table.
+    The candidates form a grid with one dimension per plan axis (the (tp, pp, cp) triples that
+    divide the GPU count share one dimension); each rule is evaluated on the few dimensions it
+    reads and broadcast over the rest, so no candidate-sized column is built. Plans come in a
+    fixed order with the structural axes outermost, so each compiled family is a contiguous
+    run of rows. ``rows`` keeps a slice of the valid plans, so batches of one enumeration can
+    be rebuilt anywhere; ``count_only`` skips building the columns.
     """
     n = cluster.num_gpus if num_gpus is None else num_gpus
     if n > cluster.num_gpus:
@@ -158,11 +162,10 @@ def enumerate_plans(
     tps, pps, cps = (space.degrees(k, n) for k in ("tp", "pp", "cp"))
     # degree triples first: most of the cartesian product fails tp*pp*cp | n
     triples = [(t, p, c) for t in tps for p in pps for c in cps if n % (t * p * c) == 0]
-    # structural axes outermost, so that each compiled family is one contiguous block of rows
     eps = divisors(model.num_experts) if space.ep == "auto" else sorted(set(space.ep))
     if not model.is_moe:
         eps = [e for e in eps if e == 1] or eps
-    outer: dict[str, list] = {
+    axes: dict[str, list] = {
         "expert_tensor_parallel": list(dict.fromkeys(space.expert_tensor_parallel)),
         "ep": eps,
         "zero_stage": sorted(set(space.zero_stage)),
@@ -171,35 +174,29 @@ def enumerate_plans(
         "attention": list(dict.fromkeys(space.attention)),
         "rank_order": list(dict.fromkeys(space.rank_order)),
         "virtual_stages": sorted(set(space.virtual_stages)),
+        "triple": triples,
+        "micro_batch": sorted(set(space.micro_batch_size)),
     }
-    inner: dict[str, list] = {"micro_batch": sorted(set(space.micro_batch_size))}
-    rest = int(np.prod([len(x) for x in (*outer.values(), *inner.values())]))
-    total = len(tps) * len(pps) * len(cps) * rest
-    pre_rejected = (len(tps) * len(pps) * len(cps) - len(triples)) * rest
-    names = [*outer, "triple", *inner]
-    sizes = [len(outer[k]) for k in outer] + [len(triples)] + [len(inner[k]) for k in inner]
-    idx = np.indices(sizes).reshape(len(sizes), -1)
+    shape = tuple(len(v) for v in axes.values())
+    size = int(np.prod(shape))
+    per_triple = size // max(len(triples), 1)
+    total = len(tps) * len(pps) * len(cps) * per_triple
+    pre_rejected = (len(tps) * len(pps) * len(cps) - len(triples)) * per_triple
+
+    def grid(name: str, values=None) -> np.ndarray:
+        """An axis's values shaped to broadcast along its own grid dimension."""
+        i = list(axes).index(name)
+        dims = [1] * len(shape)
+        dims[i] = shape[i]
+        return np.asarray(axes[name] if values is None else values).reshape(dims)
+
     tri = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
-    t_i = names.index("triple")
-    cols: dict[str, np.ndarray] = {
-        "tp": tri[idx[t_i], 0],
-        "pp": tri[idx[t_i], 1],
-        "cp": tri[idx[t_i], 2],
-    }
-    for i, name in enumerate(names):
-        if name == "triple":
-            continue
-        values = outer.get(name, inner.get(name))
-        arr = np.asarray(values, dtype=object if isinstance(values[0], str) else None)
-        cols[name] = arr[idx[i]]
-    tp = cols["tp"]
-    pp = cols["pp"]
-    cp = cols["cp"]
-    mb = cols["micro_batch"].astype(np.int64)
-    v = cols["virtual_stages"].astype(np.int64)
-    sp_ = cols["sequence_parallel"].astype(bool)
-    ep = cols["ep"].astype(np.int64)
-    etp = cols["expert_tensor_parallel"].astype(bool)
+    tp, pp, cp = (grid("triple", tri[:, k]) for k in range(3))
+    mb = grid("micro_batch").astype(np.int64)
+    v = grid("virtual_stages").astype(np.int64)
+    sp_ = grid("sequence_parallel").astype(bool)
+    ep = grid("ep").astype(np.int64)
+    etp = grid("expert_tensor_parallel").astype(bool)
     mp = tp * pp * cp
     dp = np.where(n % mp == 0, n // np.maximum(mp, 1), 0)
     per_step = np.maximum(dp * mb, 1)
@@ -224,24 +221,36 @@ def enumerate_plans(
         *_moe_rules(model, tp, ep, etp, sp_, dp),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
     ]
-    ok = np.ones(idx.shape[1], dtype=bool)
+    ok = np.ones(shape, dtype=bool)
     rejected: Counter = Counter()
     if pre_rejected:
         rejected[f"tp*pp*cp does not divide num_gpus({n})"] = pre_rejected
     for text, bad in rules:
+        if not np.any(bad):
+            continue
         hit = ok & bad
-        count = int(hit.sum())
+        count = int(np.count_nonzero(hit))
         if count:
             rejected[text] += count
-        ok &= ~bad
-    sel = np.nonzero(ok)[0]
+            ok &= ~hit
+    sel = np.flatnonzero(ok)
     valid = len(sel)
     if count_only:
-        return Enumeration(table=pd.DataFrame(), candidates=total, rejected=rejected, valid=valid)
+        return Enumeration(columns=None, candidates=total, rejected=rejected, valid=valid)
     if rows is not None:
         sel = sel[rows]
-    rows = len(sel)
-    consts = {
+    k = len(sel)
+    at = dict(zip(axes, np.unravel_index(sel, shape)))
+
+    def values(name: str, dtype=np.int64) -> np.ndarray:
+        return np.asarray(axes[name], dtype=dtype)[at[name]]
+
+    def labels(name: str) -> pd.Categorical:
+        return pd.Categorical.from_codes(at[name], categories=axes[name])
+
+    t_tp, t_pp, t_cp = (tri[at["triple"], j] for j in range(3))
+    v_sel = values("virtual_stages")
+    columns: dict[str, object] = {
         **model_columns(model, training),
         "hardware": hardware.name,
         "cluster": cluster.name,
@@ -250,27 +259,24 @@ def enumerate_plans(
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
         "tp_comm_overlap": space.tp_comm_overlap,
+        "num_gpus": n,
+        "dp": n // (t_tp * t_pp * t_cp),
+        "tp": t_tp,
+        "pp": t_pp,
+        "cp": t_cp,
+        "micro_batch": values("micro_batch"),
+        "virtual_stages": v_sel,
+        "ep": values("ep"),
+        "expert_tensor_parallel": values("expert_tensor_parallel", bool),
+        "sequence_parallel": values("sequence_parallel", bool),
+        "zero_stage": values("zero_stage"),
+        "recompute": labels("recompute"),
+        "attention": labels("attention"),
+        "schedule": pd.Categorical.from_codes(
+            (v_sel > 1).astype(np.int8), categories=["1f1b", "interleaved"]
+        ),
+        "rank_order": labels("rank_order"),
     }
-    data: dict[str, object] = {k: _const(val, rows) for k, val in consts.items()}
-    data.update(
-        {
-            "num_gpus": np.full(rows, n),
-            "dp": dp[sel],
-            "tp": tp[sel],
-            "pp": pp[sel],
-            "cp": cp[sel],
-            "micro_batch": mb[sel],
-            "virtual_stages": v[sel],
-            "ep": ep[sel],
-            "expert_tensor_parallel": etp[sel],
-            "sequence_parallel": sp_[sel],
-            "zero_stage": cols["zero_stage"][sel].astype(np.int64),
-            "recompute": pd.Categorical(cols["recompute"][sel], categories=outer["recompute"]),
-            "attention": pd.Categorical(cols["attention"][sel], categories=outer["attention"]),
-            "schedule": pd.Categorical.from_codes(
-                (v[sel] > 1).astype(np.int8), categories=["1f1b", "interleaved"]
-            ),
-            "rank_order": pd.Categorical(cols["rank_order"][sel], categories=outer["rank_order"]),
-        }
+    return Enumeration(
+        columns=PlanColumns(k, columns), candidates=total, rejected=rejected, valid=valid
     )
-    return Enumeration(table=pd.DataFrame(data), candidates=total, rejected=rejected, valid=valid)

@@ -1,0 +1,104 @@
+"""Plan enumeration and the columnar sweep path against their one-plan-at-a-time definitions."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.errors import ConfigError
+from stage_dse.search import SearchSpace, divisors, enumerate_plans
+from stage_dse.spec import ParallelPlan, TrainingSpec, validate_plan
+
+TRAINING = TrainingSpec(seq_len=4096, global_batch_size=64)
+PLAN_COLUMNS = (
+    "tp", "pp", "cp", "ep", "dp", "micro_batch", "virtual_stages", "zero_stage", "recompute",
+    "sequence_parallel", "attention", "expert_tensor_parallel", "rank_order",
+)  # fmt: skip
+
+
+def brute_force(model, training, n, space) -> tuple[set, int]:
+    """Valid plans by building and validating every candidate one at a time."""
+    deg = {k: space.degrees(k, n) for k in ("tp", "pp", "cp")}
+    eps = divisors(model.num_experts) if space.ep == "auto" else sorted(set(space.ep))
+    if not model.is_moe:
+        eps = [e for e in eps if e == 1] or eps
+    valid, total = set(), 0
+    for tp, pp, cp, ep, etp, z, rc, sp_, att, order, v, mb in itertools.product(
+        deg["tp"], deg["pp"], deg["cp"], eps, set(space.expert_tensor_parallel),
+        set(space.zero_stage), set(space.recompute), set(space.sequence_parallel),
+        set(space.attention), set(space.rank_order), set(space.virtual_stages),
+        set(space.micro_batch_size),
+    ):  # fmt: skip
+        total += 1
+        if n % (tp * pp * cp):
+            continue
+        dp = n // (tp * pp * cp)
+        try:
+            plan = ParallelPlan(
+                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tensor_parallel=etp,
+                sequence_parallel=sp_, zero_stage=z, micro_batch_size=mb, recompute=rc,
+                attention=att, schedule="interleaved" if v > 1 else "1f1b",
+                virtual_stages=v, rank_order=order,
+            )  # fmt: skip
+            validate_plan(model, training, plan, num_gpus=n)
+        except ConfigError:
+            continue
+        valid.add((tp, pp, cp, ep, dp, mb, v, z, rc, sp_, att, etp, order))
+    return valid, total
+
+
+def as_tuples(table: pd.DataFrame) -> set:
+    cols = [table[c].astype(object).to_numpy() for c in PLAN_COLUMNS]
+    return {tuple(x.item() if isinstance(x, np.generic) else x for x in row) for row in zip(*cols)}
+
+
+spaces = st.builds(
+    SearchSpace,
+    tp=st.sampled_from(["auto", (1, 2, 3, 4, 8)]),
+    pp=st.sampled_from(["auto", (1, 2, 4)]),
+    cp=st.sampled_from([(1,), (1, 2, 3)]),
+    ep=st.sampled_from([(1,), "auto", (2, 3)]),
+    expert_tensor_parallel=st.sampled_from([(False,), (False, True)]),
+    micro_batch_size=st.sampled_from([(1,), (1, 2, 3), (4, 8)]),
+    zero_stage=st.sampled_from([(0,), (1, 3)]),
+    recompute=st.sampled_from([("none",), ("full", "selective")]),
+    sequence_parallel=st.sampled_from([(False,), (False, True)]),
+    virtual_stages=st.sampled_from([(1,), (1, 2, 3)]),
+    rank_order=st.sampled_from([("tp-cp-ep-dp-pp",), ("tp-cp-ep-dp-pp", "tp-dp-cp-ep-pp")]),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model=st.sampled_from(["llama3_8b", "gpt_1p7b", "mixtral_8x7b"]),
+    n=st.sampled_from([8, 16, 24, 48, 64]),
+    space=spaces,
+)
+def test_enumeration_equals_validating_every_candidate(model, n, space):
+    """The broadcast masks keep exactly the plans ``validate_plan`` accepts, and every other
+    candidate is counted under some rule."""
+    m = load_model(model)
+    cluster = load_cluster("dgx_h100").replace(num_gpus=n)
+    e = enumerate_plans(m, TRAINING, load_hardware("h100_sxm"), cluster, space)
+    expected, total = brute_force(m, TRAINING, n, space)
+    assert e.candidates == total
+    assert e.valid == len(e.table) == len(expected)
+    assert sum(e.rejected.values()) == total - len(expected)
+    assert as_tuples(e.table) == expected
+    counted = enumerate_plans(
+        m, TRAINING, load_hardware("h100_sxm"), cluster, space, count_only=True
+    )
+    assert (counted.valid, counted.rejected) == (e.valid, e.rejected)
+
+
+def test_rows_slice_is_a_slice_of_the_whole_enumeration():
+    m, hw = load_model("llama3_8b"), load_hardware("h100_sxm")
+    cluster = load_cluster("dgx_h100").replace(num_gpus=64)
+    whole = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace()).table
+    part = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(), rows=slice(100, 250)).table
+    pd.testing.assert_frame_equal(part, whole.iloc[100:250].reset_index(drop=True))
