@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.errors import ConfigError
+from stage_dse.results.schema import config_hash
 from stage_dse.search import SearchSpace, divisors, enumerate_plans
 from stage_dse.spec import ParallelPlan, TrainingSpec, validate_plan
 
@@ -102,3 +103,21 @@ def test_rows_slice_is_a_slice_of_the_whole_enumeration():
     whole = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace()).table
     part = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(), rows=slice(100, 250)).table
     pd.testing.assert_frame_equal(part, whole.iloc[100:250].reset_index(drop=True))
+
+
+def test_config_hash_is_a_function_of_row_values_only():
+    """Same hashes from columns, from the plan table, with rows shuffled, columns reordered and
+    text as plain strings instead of categoricals."""
+    m, hw = load_model("mixtral_8x7b"), load_hardware("h100_sxm")
+    cluster = load_cluster("dgx_h100").replace(num_gpus=32)
+    e = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(ep=(1, 2, 4)))
+    table = e.table
+    from_columns = config_hash(e.columns).to_numpy()
+    assert (config_hash(table).to_numpy() == from_columns).all()
+    assert len(set(from_columns)) == len(table)
+    order = np.random.default_rng(0).permutation(len(table))
+    shuffled = table.iloc[order][list(reversed(table.columns))]
+    shuffled = shuffled.astype({c: str for c in ("recompute", "attention", "model")})
+    assert (config_hash(shuffled).to_numpy() == from_columns[order]).all()
+    changed = table.assign(hidden=table["hidden"] + 1)
+    assert not np.any(config_hash(changed).to_numpy() == from_columns)

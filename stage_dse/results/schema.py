@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from stage_dse.cost.compile import SYMBOL_NAMES
-from stage_dse.cost.table import KEY_COLUMNS
+from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 
 __all__ = [
     "CONFIG_COLUMNS",
@@ -23,8 +23,10 @@ __all__ = [
     "RESULT_SCHEMA",
     "STATUS",
     "config_hash",
+    "config_hash_u64",
     "cost_columns",
     "empty_results",
+    "hex_hashes",
 ]
 
 STATUS = ("ok", "infeasible", "invalid", "error")
@@ -148,23 +150,32 @@ def _axis_of(group_label: str) -> str:
     return parts[0]
 
 
+def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
+    """Result cost columns from the evaluator's output ``names`` and ``(rows, names)`` matrix:
+    renamed outputs, and communication summed by collective kind and by parallel axis."""
+    by_column = np.ascontiguousarray(out.T)  # one contiguous row per output
+    where = {n: i for i, n in enumerate(names)}
+    nan = np.full(len(out), np.nan)
+    cols = {d: by_column[where[s]] if s in where else nan for s, d in COST_COLUMNS.items()}
+    sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
+    for i, name in enumerate(names):
+        if not name.startswith("comm_") or name == "comm_total":
+            continue
+        body = name[len("comm_") :]
+        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
+        sums[f"comm_{kind}_bytes"].append(i)
+        sums[f"comm_{_axis_of(body[len(kind) + 1 :])}_bytes"].append(i)
+    for dst, rows in sums.items():
+        cols[dst] = by_column[rows].sum(axis=0) if rows else np.zeros(len(out))
+    total = where.get("comm_total")
+    cols["comm_total_bytes"] = by_column[total] if total is not None else np.zeros(len(out))
+    return cols
+
+
 def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
     """Result cost columns from the evaluator's output columns."""
-    out = pd.DataFrame(index=costs.index)
-    for src, dst in COST_COLUMNS.items():
-        out[dst] = costs[src] if src in costs else float("nan")
-    for c in COMM_COLUMNS:
-        out[c] = 0.0
-    for col in costs.columns:
-        if not col.startswith("comm_") or col == "comm_total":
-            continue
-        body = col[len("comm_") :]
-        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
-        group = body[len(kind) + 1 :]
-        out[f"comm_{kind}_bytes"] += costs[col]
-        out[f"comm_{_axis_of(group)}_bytes"] += costs[col]
-    out["comm_total_bytes"] = costs.get("comm_total", 0.0)
-    return out
+    arrays = cost_arrays(list(costs.columns), costs.to_numpy(dtype=np.float64))
+    return pd.DataFrame(arrays, index=costs.index)
 
 
 _HEX = np.array([f"{i:02x}".encode() for i in range(256)], dtype="S2")
@@ -184,26 +195,58 @@ def _stable64(text: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big"))
 
 
-def config_hash(table: pd.DataFrame) -> pd.Series:
+PLAN_CONFIG = {
+    "num_gpus", "micro_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", *PLAN_KEY_COLUMNS,
+}  # fmt: skip
+HASH_ORDER: tuple[str, ...] = (
+    *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG),
+    *(c for c in CONFIG_COLUMNS if c in PLAN_CONFIG),
+)
+"""The order in which columns enter the hash: what a sweep holds fixed (model, step, hardware)
+first, the plan last, so a block of plans hashes its shared prefix once."""
+
+
+def _hash_input(col: object, text: bool) -> np.uint64 | np.ndarray:
+    """A column as uint64 hash input: a scalar for a constant column, else an array."""
+    if isinstance(col, pd.Series):
+        col = col.array if isinstance(col.dtype, pd.CategoricalDtype) else col.to_numpy()
+    if text:
+        if isinstance(col, str):
+            return _stable64(col)
+        cat = col if isinstance(col, pd.Categorical) else pd.Categorical(np.asarray(col, str))
+        lut = np.array([_stable64(str(v)) for v in cat.categories], dtype=np.uint64)
+        return lut[cat.codes]
+    if isinstance(col, np.ndarray):
+        return col.astype(np.float64).view(np.uint64)
+    return np.array(float(col)).view(np.uint64)[()]
+
+
+def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
+    """The 64-bit config hash of each row (see :func:`config_hash`)."""
+    source = table.columns if isinstance(table, PlanColumns) else table
+    h: np.uint64 | np.ndarray = _GOLDEN
+    with np.errstate(over="ignore"):
+        for i, c in enumerate(HASH_ORDER):
+            v = _hash_input(source[c], c in STRING_CONFIG)
+            h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
+    return np.broadcast_to(h, (len(table),)).astype(np.uint64)
+
+
+def hex_hashes(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes as 16-byte lower-case hex strings (numpy ``S16``)."""
+    n = len(h)
+    return _HEX[h.astype(np.uint64).byteswap().view(np.uint8).reshape(n, 8)].view("S16").ravel()
+
+
+def config_hash(table: pd.DataFrame | PlanColumns) -> pd.Series:
     """A stable 16-hex-digit hash of each row's configuration columns (vectorized).
 
     Numbers hash by their float64 value (integers and booleans included), text by a keyed
-    digest of the string, so the hash does not depend on dtypes, categories or row order.
+    digest of the string, so the hash does not depend on dtypes, categories, row order or the
+    table's form (a DataFrame or :class:`~stage_dse.cost.table.PlanColumns`).
     """
-    n = len(table)
-    h = np.full(n, _GOLDEN, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for i, c in enumerate(CONFIG_COLUMNS):
-            col = table[c]
-            if c in STRING_CONFIG:
-                cat = col if isinstance(col.dtype, pd.CategoricalDtype) else col.astype("category")
-                lut = np.array([_stable64(str(v)) for v in cat.cat.categories], dtype=np.uint64)
-                v = lut[cat.cat.codes.to_numpy()]
-            else:
-                v = col.to_numpy(dtype=np.float64).view(np.uint64)
-            h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
-    hexed = _HEX[h.byteswap().view(np.uint8).reshape(n, 8)].view("S16").ravel()
-    return pd.Series(hexed.astype(str), index=table.index, dtype=str)
+    index = table.index if isinstance(table, pd.DataFrame) else None
+    return pd.Series(hex_hashes(config_hash_u64(table)).astype(str), index=index, dtype=str)
 
 
 def empty_results() -> pd.DataFrame:
