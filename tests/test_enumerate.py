@@ -6,12 +6,21 @@ import itertools
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.errors import ConfigError
-from stage_dse.results.schema import config_hash
+from stage_dse.results.schema import RESULT_SCHEMA, config_hash
+from stage_dse.runner.evaluate import (
+    Block,
+    block_configs,
+    done_hashes,
+    evaluate_batch,
+    evaluate_block,
+)
 from stage_dse.search import SearchSpace, divisors, enumerate_plans
 from stage_dse.spec import ParallelPlan, TrainingSpec, validate_plan
 
@@ -103,6 +112,43 @@ def test_rows_slice_is_a_slice_of_the_whole_enumeration():
     whole = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace()).table
     part = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(), rows=slice(100, 250)).table
     pd.testing.assert_frame_equal(part, whole.iloc[100:250].reset_index(drop=True))
+
+
+def blocks():
+    hw = load_hardware("h100_sxm")
+    for model, n, space, limit in [
+        ("llama3_8b", 64, SearchSpace(virtual_stages=(1, 2)), None),
+        ("mixtral_8x7b", 32, SearchSpace(ep="auto", expert_tensor_parallel=(False, True)), 40e9),
+    ]:
+        m = load_model(model)
+        cluster = load_cluster("dgx_h100").replace(num_gpus=n)
+        valid = enumerate_plans(m, TRAINING, hw, cluster, space, count_only=True).valid
+        yield Block(
+            model=m, training=TRAINING, hardware=hw, cluster=cluster, space=space,
+            memory_limit_bytes=limit, start=valid // 4, stop=valid,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("block", list(blocks()), ids=["dense", "moe-budget"])
+def test_columnar_block_equals_the_dataframe_path(block):
+    """What sweep workers send (Arrow built from columns) is row for row what the DataFrame
+    path (plan table -> evaluate_table -> result rows) gives, and ``done`` rows are skipped."""
+    configs = block_configs(block)
+    expected = pa.Table.from_pandas(
+        evaluate_batch(configs, "s"), schema=RESULT_SCHEMA, preserve_index=False
+    )
+    got = evaluate_block(block, "s")
+    assert got.schema == RESULT_SCHEMA and len(got) == len(configs) > 100
+    for name in RESULT_SCHEMA.names:
+        a, b = got.column(name), expected.column(name)
+        if pa.types.is_dictionary(a.type):
+            a, b = a.cast(pa.string()), b.cast(pa.string())
+        assert a.equals(b), name
+    assert set(got.column("status").to_pylist()) <= {"ok", "infeasible"}
+    done = configs["config_hash"].iloc[::3]
+    rest = evaluate_block(block, "s", done_hashes(done))
+    assert len(rest) == len(configs) - len(done)
+    assert set(rest.column("config_hash").to_pylist()) == set(configs["config_hash"]) - set(done)
 
 
 def test_config_hash_is_a_function_of_row_values_only():

@@ -341,7 +341,7 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
     import stage_dse.runner.sweep as sweep_mod
 
     calls = {"n": 0, "failed_rows": 0}
-    real = sweep_mod.evaluate_block
+    real = sweep_mod.evaluate_part
 
     def flaky(block, sweep, done=None):
         calls["n"] += 1
@@ -350,7 +350,7 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
             raise RuntimeError("worker exploded")
         return real(block, sweep, done)
 
-    monkeypatch.setattr(sweep_mod, "evaluate_block", flaky)
+    monkeypatch.setattr(sweep_mod, "evaluate_part", flaky)
     store = ResultStore(tmp_path / "e")
     report = run_grid(small_spec(), LocalExecutor(), store, batch_size=500, progress=False)
     df = load(store.root)

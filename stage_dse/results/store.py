@@ -1,6 +1,7 @@
 """The results dataset on disk: atomic Parquet part files under ``results/<sweep>/``.
 
-Only the sweep driver writes. A part file is written to a temporary name in the same folder
+Only the sweep driver writes; workers may encode a part (:func:`encode_part`) and send its
+bytes. A part file is written to a temporary name in the same folder
 and renamed into place, so a killed process leaves either a whole part or none (the temporary
 is ignored by readers and removed on the next start). Rows are identified by ``config_hash``;
 a rerun reads the hashes already present and evaluates only the others.
@@ -20,9 +21,22 @@ import pyarrow.parquet as pq
 
 from stage_dse.results.schema import RESULT_SCHEMA, empty_results
 
-__all__ = ["ResultStore"]
+__all__ = ["ResultStore", "encode_part"]
 
 PART_GLOB = "part-*.parquet"
+
+
+def encode_part(rows: pd.DataFrame | pa.Table) -> bytes:
+    """Result rows as the bytes of one Parquet part file (no I/O): cheap to send from a worker,
+    and the driver only has to write them."""
+    if isinstance(rows, pa.Table):
+        table = rows.cast(RESULT_SCHEMA)
+    else:
+        table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
+    text = [f.name for f in RESULT_SCHEMA if f.type == pa.string()]
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="lz4", use_dictionary=text, write_statistics=False)
+    return sink.getvalue().to_pybytes()
 
 
 class ResultStore:
@@ -43,12 +57,12 @@ class ResultStore:
         """Write one part file atomically; returns its path (None for no rows)."""
         if len(rows) == 0:
             return None
-        if isinstance(rows, pa.Table):
-            table = rows.cast(RESULT_SCHEMA)
-        else:
-            table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
+        return self.write_encoded(encode_part(rows))
+
+    def write_encoded(self, data: bytes) -> Path:
+        """Write one part already encoded by :func:`encode_part` (e.g. on a worker)."""
         final = self.root / f"part-{uuid.uuid4().hex}.parquet"
-        self._write_table(table, final)
+        self._commit(data, final)
         return final
 
     def set_column(self, column: str, values: dict[str, str]) -> int:
@@ -71,14 +85,15 @@ class ResultStore:
             table = table.set_column(
                 table.schema.get_field_index(column), column, pa.array(new, type=pa.string())
             )
-            self._write_table(table, part)
+            self._commit(encode_part(table), part)
         return changed
 
-    def _write_table(self, table: pa.Table, final: Path) -> None:
+    def _commit(self, data: bytes, final: Path) -> None:
+        """Temporary file, fsync, rename: a reader sees the whole part or none of it."""
         tmp = self.root / f".tmp-{final.name}"
-        text = [f.name for f in RESULT_SCHEMA if f.type == pa.string()]
-        pq.write_table(table, tmp, compression="lz4", use_dictionary=text, write_statistics=False)
-        with open(tmp, "rb") as fh:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
 

@@ -9,6 +9,7 @@ missing bytes in ``reason``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,14 +17,18 @@ import pandas as pd
 import pyarrow as pa
 
 from stage_dse import __version__
-from stage_dse.cost.table import evaluate_table
+from stage_dse.cost.table import PlanColumns, evaluate_columns, evaluate_table
 from stage_dse.results.schema import (
     CONFIG_COLUMNS,
     RESULT_SCHEMA,
     SERVING_COLUMNS,
     config_hash,
+    config_hash_u64,
+    cost_arrays,
     cost_columns,
+    hex_hashes,
 )
+from stage_dse.results.store import encode_part
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
 
@@ -31,12 +36,17 @@ SERVING_OUTPUTS = set(SERVING_COLUMNS.values())
 
 __all__ = [
     "Block",
+    "EncodedPart",
     "block_configs",
+    "block_plans",
+    "done_hashes",
     "error_rows",
     "evaluate_batch",
     "evaluate_block",
+    "evaluate_part",
     "finalize_rows",
     "invalid_rows",
+    "rows_table",
 ]
 
 GIB = 2.0**30
@@ -107,32 +117,66 @@ class Block:
     stop: int
 
 
-def block_configs(block: Block) -> pd.DataFrame:
-    """The plan table of a block, with its config hashes."""
-    e = enumerate_plans(
+def block_plans(block: Block) -> PlanColumns:
+    """The plans of a block, as columns (rebuilt from the enumeration)."""
+    plans = enumerate_plans(
         block.model,
         block.training,
         block.hardware,
         block.cluster,
         block.space,
         rows=slice(block.start, block.stop),
-    )
-    table = e.table
+    ).columns
+    assert plans is not None
     if block.memory_limit_bytes is not None:
-        table["usable_memory"] = float(block.memory_limit_bytes)
-    table["config_hash"] = config_hash(table).to_numpy()
+        plans.columns["usable_memory"] = float(block.memory_limit_bytes)
+    return plans
+
+
+def block_configs(block: Block) -> pd.DataFrame:
+    """The plan table of a block, with its config hashes."""
+    plans = block_plans(block)
+    table = plans.frame()
+    table["config_hash"] = config_hash(plans).to_numpy()
     return table
 
 
-def evaluate_block(block: Block, sweep: str, done: frozenset[str] | None = None) -> pa.Table:
-    """Enumerate a block, drop configurations already in ``done``, evaluate the rest; the
-    result rows come back as an Arrow table in the results schema (ready to write)."""
-    table = block_configs(block)
-    if done:
-        table = table[~table["config_hash"].isin(done).to_numpy()]
-    if len(table) == 0:
+def done_hashes(hashes: Iterable[str]) -> np.ndarray:
+    """Stored config hashes as the sorted uint64 array :func:`evaluate_block` skips."""
+    return np.unique(np.fromiter((int(h, 16) for h in hashes), dtype=np.uint64))
+
+
+def evaluate_block(block: Block, sweep: str, done: np.ndarray | None = None) -> pa.Table:
+    """Enumerate a block, drop configurations already in ``done`` (see :func:`done_hashes`),
+    evaluate the rest; the result rows come back as an Arrow table in the results schema,
+    built column by column from the plan and cost arrays (no DataFrame on the way)."""
+    plans = block_plans(block)
+    hashes = config_hash_u64(plans)
+    if done is not None and len(done):
+        keep = ~np.isin(hashes, done)
+        plans, hashes = plans.take(keep), hashes[keep]
+    if len(plans) == 0:
         return RESULT_SCHEMA.empty_table()
-    return rows_table(table, evaluate_table(table), sweep)
+    names, out = evaluate_columns(plans)
+    return rows_table(plans, hashes, cost_arrays(names, out), sweep)
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """What a sweep task sends back: one Parquet part file, encoded, and its row counts."""
+
+    data: bytes
+    rows: int
+    status: dict[str, int]
+
+
+def evaluate_part(block: Block, sweep: str, done: np.ndarray | None = None) -> EncodedPart:
+    """:func:`evaluate_block`, encoded as a part file where it ran: Parquet encoding is spread
+    over the workers and a compressed part travels instead of the Arrow columns."""
+    table = evaluate_block(block, sweep, done)
+    status = table.column("status").combine_chunks().value_counts().to_pylist()
+    counts = {d["values"]: d["counts"] for d in status}
+    return EncodedPart(encode_part(table) if len(table) else b"", len(table), counts)
 
 
 def _dictionary(codes: np.ndarray, categories: list[str]) -> pa.DictionaryArray:
@@ -141,25 +185,35 @@ def _dictionary(codes: np.ndarray, categories: list[str]) -> pa.DictionaryArray:
     )
 
 
-def _column(series: pd.Series, field: pa.Field) -> pa.Array:
+def _config_column(plans: PlanColumns, name: str, field: pa.Field) -> pa.Array:
+    value = plans.columns[name]
+    n = len(plans)
     if pa.types.is_dictionary(field.type):
-        cat = series if isinstance(series.dtype, pd.CategoricalDtype) else series.astype("category")
-        return _dictionary(cat.cat.codes.to_numpy(), [str(c) for c in cat.cat.categories])
-    return pa.array(series.to_numpy(), type=field.type)
+        if isinstance(value, pd.Categorical):
+            return _dictionary(value.codes, [str(c) for c in value.categories])
+        if isinstance(value, np.ndarray):
+            cat = pd.Categorical(value.astype(str))
+            return _dictionary(cat.codes, list(cat.categories))
+        return _dictionary(np.zeros(n, dtype=np.int32), [str(value)])
+    if plans.is_constant(name):
+        value = np.full(n, value)
+    return pa.array(value, type=field.type)
 
 
-def rows_table(configs: pd.DataFrame, costs: pd.DataFrame, sweep: str) -> pa.Table:
-    """Result rows of evaluated plans straight into Arrow (no intermediate DataFrame)."""
-    n = len(configs)
-    fits = costs["mem_headroom_bytes"].to_numpy() >= 0
-    bad = (~fits).astype(np.int32)
-    cc = cost_columns(costs)
+def rows_table(
+    plans: PlanColumns, hashes: np.ndarray, costs: dict[str, np.ndarray], sweep: str
+) -> pa.Table:
+    """Result rows of evaluated plans (``costs`` from :func:`cost_arrays`) as Arrow."""
+    n = len(plans)
+    bad = (costs["mem_headroom_bytes"] < 0).astype(np.int32)
     zeros = np.zeros(n, dtype=np.int32)
+    offsets = np.arange(0, 16 * (n + 1), 16, dtype=np.int32)
     arrays = []
     for field in RESULT_SCHEMA:
         name = field.name
         if name == "config_hash":
-            arrays.append(pa.array(configs["config_hash"].to_numpy(dtype=str), type=pa.string()))
+            data = hex_hashes(hashes)
+            arrays.append(pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data)))
         elif name == "sweep":
             arrays.append(_dictionary(zeros, [sweep]))
         elif name == "status":
@@ -172,8 +226,8 @@ def rows_table(configs: pd.DataFrame, costs: pd.DataFrame, sweep: str) -> pa.Tab
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "trace_dir":
             arrays.append(pa.nulls(n, pa.string()))
-        elif name in cc:
-            arrays.append(pa.array(cc[name].to_numpy(dtype=np.float64)))
+        elif name in costs:  # NaN (an output the family does not have) is stored as null
+            arrays.append(pa.array(costs[name], type=pa.float64(), from_pandas=True))
         else:
-            arrays.append(_column(configs[name], field))
+            arrays.append(_config_column(plans, name, field))
     return pa.Table.from_arrays(arrays, schema=RESULT_SCHEMA)

@@ -58,6 +58,12 @@ class LocalExecutor:
         pass
 
 
+def _import_evaluator() -> int:
+    import stage_dse.runner.evaluate  # noqa: F401  (what every sweep task runs)
+
+    return os.getpid()
+
+
 def _compile_task(key: CostKey) -> str:
     compile_family(key)
     return repr(key)
@@ -95,6 +101,22 @@ class RayExecutor:
         self.max_in_flight = max_in_flight or 2 * self.num_cpus
         self.max_retries = max_retries
         self._remote: dict[Callable, Any] = {}
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Have the workers import the evaluator now (about half a second each), so start-up
+        cost is paid here and not by the first batches of a sweep."""
+        remote = self._as_remote(_import_evaluator)
+        try:
+            self._ray.get([remote.remote() for _ in range(min(self.num_cpus, 256))])
+        except Exception as exc:
+            from stage_dse.errors import StageDseError
+
+            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise StageDseError(
+                f"Ray workers cannot run stage_dse ({first}); install the same stage_dse "
+                "version on every node of the cluster"
+            ) from exc
 
     def _as_remote(self, fn: Callable):
         if fn not in self._remote:

@@ -18,7 +18,13 @@ import pandas as pd
 
 from stage_dse.errors import ConfigError
 from stage_dse.results.store import ResultStore
-from stage_dse.runner.evaluate import Block, block_configs, error_rows, evaluate_block
+from stage_dse.runner.evaluate import (
+    Block,
+    block_configs,
+    done_hashes,
+    error_rows,
+    evaluate_part,
+)
 from stage_dse.runner.executors import Executor
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
@@ -152,8 +158,8 @@ def run_grid(
 
     The driver only counts (printed before anything is evaluated) and cuts each enumeration into
     blocks of ``batch_size`` rows; each executor task rebuilds its block, hashes it, drops rows
-    already stored, evaluates the rest and returns Arrow rows, which the driver writes as one
-    part file per block from a background thread.
+    already stored, evaluates the rest and returns them encoded as one Parquet part, which the
+    driver writes atomically from a background thread.
     """
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
@@ -190,21 +196,22 @@ def run_grid(
     if blocks:
         executor.compile(family_keys(spec))
     bar = _progress(report.valid, progress)
-    shared_done = executor.share(done) if done else None
+    shared_done = executor.share(done_hashes(done)) if done else None
     tasks = ((i, (b, spec.name, shared_done)) for i, b in enumerate(blocks))
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = []
-        for bid, result in executor.map(evaluate_block, tasks):
+        for bid, result in executor.map(evaluate_part, tasks):
             block = blocks[bid]
             if isinstance(result, BaseException):
                 configs = block_configs(block)
                 configs = configs[~configs["config_hash"].isin(done).to_numpy()]
-                result = error_rows(configs, f"{type(result).__name__}: {result}", spec.name)
-                statuses = result["status"].value_counts().to_dict()
+                rows = error_rows(configs, f"{type(result).__name__}: {result}", spec.name)
+                pending.append(writer.submit(store.write, rows))
+                n_rows, statuses = len(rows), {"error": len(rows)}
             else:
-                statuses = result.column("status").to_pandas().value_counts().to_dict()
-            pending.append(writer.submit(store.write, result))
-            n_rows = len(result)
+                if result.rows:
+                    pending.append(writer.submit(store.write_encoded, result.data))
+                n_rows, statuses = result.rows, result.status
             report.evaluated += n_rows
             report.skipped += (block.stop - block.start) - n_rows
             report.status.update({k: v for k, v in statuses.items() if v})
