@@ -471,8 +471,18 @@ def test_trace_cli_config_check_and_json(tmp_path, capsys):
     assert "ok: 8 ranks" in capsys.readouterr().out
     assert trace_main(["json", str(out / "trace.0.et")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert (
-        json.loads(lines[0]) == {"version": "0.0.4"} and json.loads(lines[1])["type"] == "COMP_NODE"
+    first = json.loads(lines[1])
+    assert json.loads(lines[0]) == {"version": "0.0.4"} and first["type"] == "COMP_NODE"
+    assert first["id"] == "0" and first["dataDeps"] == []  # defaults are printed too
+    # piped into a reader that stops early (`| head`): no traceback, exit 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stage_dse.trace.cli", "json", str(out / "trace.0.et")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
+    assert proc.stdout.readline().startswith(b'{"version"')
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and "Traceback" not in err and "BrokenPipe" not in err
     assert trace_main(["config", str(out), "plan.tp=[1,2]"]) == 2
     assert "give exactly one value" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -314,9 +315,15 @@ def main(argv: list[str] | None = None) -> int:
             from google.protobuf.json_format import MessageToDict
 
             meta, nodes = read_trace(args.file)
-            print(json.dumps(MessageToDict(meta)))
-            for node in nodes:
-                print(json.dumps(MessageToDict(node)))
+            try:
+                print(json.dumps(MessageToDict(meta)))
+                for node in nodes:
+                    # every field, node id 0 and empty deps included: readers need not know
+                    # proto3's defaults
+                    d = MessageToDict(node, always_print_fields_with_no_presence=True)
+                    print(json.dumps(d))
+            except BrokenPipeError:  # e.g. piped into head: stop quietly
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except StageDseError as exc:
         print(f"stage-dse-trace: error: {exc}", file=sys.stderr)
         return 2
