@@ -116,6 +116,28 @@ def test_rerun_skips_everything(tmp_path):
     assert store.parts() == parts
 
 
+def test_resume_refuses_rows_hashed_by_another_scheme(tmp_path):
+    """Parts written under an older config-hash definition are not silently re-evaluated (that
+    would store every plan twice); trace selection still rewrites them under their scheme."""
+    import pyarrow.parquet as pq
+
+    from stage_dse.errors import StageDseError
+
+    spec = small_spec(gpus=(16,))
+    store = ResultStore(tmp_path / "s")
+    run_grid(spec, LocalExecutor(), store, progress=False)
+    part = store.parts()[0]
+    table = pq.read_table(part)
+    old = table.replace_schema_metadata({b"stage_dse.hash_scheme": b"1"})
+    pq.write_table(old, part)
+    h = table.column("config_hash")[0].as_py()
+    assert store.set_column("trace_dir", {h: "x"}) == 1
+    assert pq.read_schema(part).metadata[b"stage_dse.hash_scheme"] == b"1"
+    with pytest.raises(StageDseError, match=r"hash scheme 1, this one uses 2.*sweep_name"):
+        run_grid(spec, LocalExecutor(), store, progress=False)
+    assert store.parts() == [part]
+
+
 def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(tmp_path):
     args = [
         sys.executable,

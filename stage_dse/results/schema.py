@@ -19,6 +19,7 @@ from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 
 __all__ = [
     "CONFIG_COLUMNS",
+    "HASH_SCHEME",
     "LABEL_COLUMNS",
     "RESULT_SCHEMA",
     "STATUS",
@@ -132,7 +133,11 @@ _fields += [
     pa.field("package_version", LABEL),
     pa.field("trace_dir", pa.string()),
 ]
-RESULT_SCHEMA = pa.schema(_fields)
+HASH_SCHEME = "2"
+"""Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
+whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
+HASH_SCHEME_KEY = b"stage_dse.hash_scheme"
+RESULT_SCHEMA = pa.schema(_fields, metadata={HASH_SCHEME_KEY: HASH_SCHEME.encode()})
 """Arrow schema of every part file of a results dataset."""
 
 

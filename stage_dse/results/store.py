@@ -19,20 +19,26 @@ import pyarrow.compute
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from stage_dse.results.schema import RESULT_SCHEMA, empty_results
+from stage_dse.errors import StageDseError
+from stage_dse.results.schema import (
+    HASH_SCHEME,
+    HASH_SCHEME_KEY,
+    RESULT_SCHEMA,
+    empty_results,
+)
 
 __all__ = ["ResultStore", "encode_part"]
 
 PART_GLOB = "part-*.parquet"
 
 
-def encode_part(rows: pd.DataFrame | pa.Table) -> bytes:
+def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA) -> bytes:
     """Result rows as the bytes of one Parquet part file (no I/O): cheap to send from a worker,
     and the driver only has to write them."""
     if isinstance(rows, pa.Table):
-        table = rows.cast(RESULT_SCHEMA)
+        table = rows.cast(schema)
     else:
-        table = pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
+        table = pa.Table.from_pandas(rows, schema=schema, preserve_index=False)
     text = [f.name for f in RESULT_SCHEMA if f.type == pa.string()]
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="lz4", use_dictionary=text, write_statistics=False)
@@ -74,6 +80,10 @@ class ResultStore:
             return 0
         keys = pa.array(list(values), type=pa.string())
         for part in self.parts():
+            stored = pq.read_schema(part).metadata or {}
+            schema = RESULT_SCHEMA.with_metadata(  # the part keeps its own hash scheme
+                {HASH_SCHEME_KEY: stored.get(HASH_SCHEME_KEY, b"1")}
+            )
             table = pq.read_table(part, schema=RESULT_SCHEMA)
             hashes = table.column("config_hash")
             hit = pa.compute.is_in(hashes, value_set=keys)
@@ -85,7 +95,7 @@ class ResultStore:
             table = table.set_column(
                 table.schema.get_field_index(column), column, pa.array(new, type=pa.string())
             )
-            self._commit(encode_part(table), part)
+            self._commit(encode_part(table, schema), part)
         return changed
 
     def _commit(self, data: bytes, final: Path) -> None:
@@ -98,9 +108,19 @@ class ResultStore:
         os.replace(tmp, final)
 
     def hashes(self) -> set[str]:
+        """The config hashes already stored (what a resumed sweep skips)."""
         parts = self.parts()
         if not parts:
             return set()
+        for part in parts:
+            meta = pq.read_schema(part).metadata or {}
+            scheme = meta.get(HASH_SCHEME_KEY, b"1").decode()
+            if scheme != HASH_SCHEME:
+                raise StageDseError(
+                    f"{self.root} holds rows hashed by another stage_dse version (hash scheme "
+                    f"{scheme}, this one uses {HASH_SCHEME}): resuming would store those plans "
+                    "twice; move the folder aside or choose another sweep_name"
+                )
         table = ds.dataset([str(p) for p in parts], format="parquet").to_table(
             columns=["config_hash"]
         )
