@@ -74,6 +74,32 @@ def test_local_and_ray_runners_write_identical_results(tmp_path, ray_shutdown):
     assert set(a["status"]) <= {"ok", "infeasible"} and (a["status"] == "ok").any()
 
 
+def test_ray_retries_a_block_whose_worker_dies(tmp_path, ray_shutdown, monkeypatch):
+    """The worker running the first block exits hard (as if OOM-killed); Ray retries the task
+    on a fresh worker and the sweep ends with every row, none as an error."""
+    import stage_dse.runner.sweep as sweep_mod
+
+    real = sweep_mod.evaluate_part
+    marker = tmp_path / "died"
+
+    def dies_once(block, sweep, done=None):
+        if block.start == 0 and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return real(block, sweep, done)
+
+    monkeypatch.setattr(sweep_mod, "evaluate_part", dies_once)
+    executor = RayExecutor(num_cpus=2)
+    try:
+        store = ResultStore(tmp_path / "r")
+        report = run_grid(small_spec(gpus=(16,)), executor, store, batch_size=400, progress=False)
+    finally:
+        executor.close()
+    df = load(store.root)
+    assert marker.exists() and "error" not in report.status
+    assert len(df) == report.valid == report.evaluated > 400 and df["config_hash"].is_unique
+
+
 def test_sweep_through_a_two_node_ray_cluster(tmp_path, ray_shutdown):
     from ray.cluster_utils import Cluster
 
