@@ -120,7 +120,8 @@ def _time(model, training, plan, gpus, hw=H100, cluster="dgx_h100"):
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
 def test_pipeline_bubble(schedule, v):
-    model = gpt(layers=16, hidden=2048, heads=16)
+    # untied: the once-per-step embedding all-reduce would sit in pp_comm_s beside the hops
+    model = gpt(layers=16, hidden=2048, heads=16, tied_embeddings=False)
     training = TrainingSpec(seq_len=2048, global_batch_size=64)
     plan = ParallelPlan(dp=2, pp=4, tp=1, micro_batch_size=2, schedule=schedule, virtual_stages=v)
     r = _time(model, training, plan, 8)
@@ -142,6 +143,29 @@ def test_pipeline_bubble(schedule, v):
         and k not in ("time_step_s", "time_layer_fwd_s", "time_layer_bwd_s")
     ]
     assert sum(r[k] for k in parts) == pytest.approx(r["time_step_s"], rel=1e-12)
+
+
+def test_tied_embedding_gradients_are_all_reduced_between_the_pipeline_ends():
+    """Megatron-LM sums the gradients of the two copies of tied word embeddings over the
+    embedding group (first and last stage) once per step: V/tp x h elements in gradient
+    precision over the pipeline's hop (a two-rank ring: size/bw and two latencies); nothing
+    without pipelining or with untied embeddings."""
+    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    V, h, tp = 51200, 2048, 2
+    plan = ParallelPlan(dp=2, pp=4, tp=tp, micro_batch_size=2)
+    tied = _time(gpt(layers=16, hidden=h, heads=16, vocab=V), training, plan, 16)
+    untied_model = gpt(layers=16, hidden=h, heads=16, vocab=V, tied_embeddings=False)
+    untied = _time(untied_model, training, plan, 16)
+    size = V / tp * h * training.grads_dtype.bytes
+    assert tied["comm_all_reduce_embedding"] == size
+    assert "comm_all_reduce_embedding" not in untied
+    # pp is the slowest axis: stages sit on different nodes, the hop rides the NIC
+    cl = load_cluster("dgx_h100")
+    hop = size / (cl.inter_bandwidth_bytes_per_s * cl.inter_efficiency) + 2 * cl.inter_latency_s
+    assert tied["time_pp_comm_s"] - untied["time_pp_comm_s"] == pytest.approx(hop, rel=1e-9)
+    tied_model = gpt(layers=16, hidden=h, heads=16, vocab=V)
+    flat = _time(tied_model, training, ParallelPlan(dp=8, tp=2), 16)
+    assert flat["comm_all_reduce_embedding"] == 0
 
 
 def test_mfu_of_a_hand_computed_case():

@@ -23,7 +23,7 @@ from stage_dse.trace import encode as enc
 from stage_dse.trace import et_def_pb2 as pb
 from stage_dse.trace.cli import main as trace_main
 from stage_dse.trace.cli import select_and_write
-from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
+from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, EMBEDDING, Mesh
 
 H100 = load_hardware("h100_sxm")
 GOLDEN = Path(__file__).parent / "golden"
@@ -141,6 +141,30 @@ def test_mesh_group_ids_are_dense_and_closed_form():
             gid = mesh.group_id(kind, rank)
             assert groups[str(gid)] == mesh.members(kind, rank)
             assert len(groups[str(gid)]) == mesh.group_size(kind)
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "pp-tp-cp-ep-dp"])
+def test_embedding_groups_join_the_two_ends_of_each_pipeline(order):
+    plan = ParallelPlan(dp=2, tp=2, pp=4, rank_order=tuple(order.split("-")))
+    mesh = Mesh(plan)
+    mesh.register([frozenset({MeshAxis.TP}), EMBEDDING])
+    groups = mesh.groups_json()
+    assert sorted(int(k) for k in groups) == list(range(1, mesh.num_group_ids + 1))
+    assert mesh.num_groups(EMBEDDING) == 4 and mesh.group_size(EMBEDDING) == 2
+    seen = set()
+    for rank in range(mesh.world):
+        stage = mesh.coords(rank)[MeshAxis.PP]
+        members = mesh.members(EMBEDDING, rank)
+        if stage in (0, 3):
+            assert rank in members and groups[str(mesh.group_id(EMBEDDING, rank))] == members
+            assert sorted(mesh.coords(r)[MeshAxis.PP] for r in members) == [0, 3]
+            peer = next(r for r in members if r != rank)
+            other = {a: c for a, c in mesh.coords(peer).items() if a is not MeshAxis.PP}
+            assert other == {a: c for a, c in mesh.coords(rank).items() if a is not MeshAxis.PP}
+            seen.update(members)
+        else:
+            assert rank not in members
+    assert seen == {r for r in range(mesh.world) if mesh.coords(r)[MeshAxis.PP] in (0, 3)}
 
 
 def test_group_id_limit_is_reported():

@@ -55,16 +55,34 @@ from stage_dse.spec import (
 )
 
 __all__ = [
+    "EMBEDDING_GROUP",
     "CostKey",
     "SectionCosts",
     "TrainingCosts",
     "derive",
+    "embedding_sync_bytes",
     "group_label",
     "kept_activations",
     "training_costs",
 ]
 
 MESH_ORDER = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+
+
+EMBEDDING_GROUP = "embedding"
+"""Label of the embedding group (Megatron-LM): the first and the last pipeline stage of each
+pipeline, which hold the two copies of tied word embeddings."""
+
+
+def embedding_sync_bytes(graphs: ModelGraphs, grad_bytes: int) -> sp.Expr:
+    """Per-GPU buffer of the once-per-step all-reduce that sums the gradients of the two copies
+    of tied word embeddings over the embedding group (0 when untied or pp == 1): the
+    tensor-parallel shard of the embedding matrix, in gradient precision."""
+    tied = graphs.tied_head_weight
+    if tied is None:
+        return sp.Integer(0)
+    compute_of = {stored: used for used, stored in graphs.head.weight_storage.items()}
+    return (1 - _is_one(S.pp)) * compute_of.get(tied, tied).local_numel * grad_bytes
 
 
 def group_label(group: Iterable[MeshAxis]) -> str:
@@ -485,6 +503,9 @@ def _derive(key: CostKey) -> TrainingCosts:
     # pipeline: each micro-batch sends its activation forward and its gradient backward
     name = f"{CollKind.SEND_RECV.value}_pp"
     comm[name] = comm.get(name, 0) + multi * 2 * m * graphs.boundary.local_bytes
+    if graphs.tied_head_weight is not None:
+        name = f"{CollKind.ALL_REDUCE.value}_{EMBEDDING_GROUP}"
+        comm[name] = embedding_sync_bytes(graphs, key.graph.grad_bytes)
     comm_bytes = dict(comm)
     comm_bytes["total"] = _sum(list(comm.values()))
     return TrainingCosts(

@@ -25,7 +25,8 @@ Model, in order of the terms of ``time_step_s``:
   critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``); the
   context-parallel ring hides behind attention compute; ZeRO-3
   gathers and ZeRO-2/3 reduce-scatters prefetch behind the micro-batch's compute; pipeline
-  send/recv is exposed.
+  send/recv is exposed, and so is the all-reduce of tied word-embedding gradients between the
+  first and last stage once per step (``pp_comm_s`` holds both).
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
   slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``.
 * **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
@@ -43,12 +44,12 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.cost.derive import CostKey, _recomputed_ops, derive
+from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive
 from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
-__all__ = ["collective_time", "derive_time", "group_tiers"]
+__all__ = ["collective_time", "derive_time", "embedding_sync_time", "group_tiers"]
 
 DATA = frozenset({MeshAxis.DP, MeshAxis.CP})
 ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, OpKind.EMBEDDING)
@@ -135,6 +136,13 @@ def collective_time(
         lat = sp.Piecewise((a_out, n_out > 1), (a_in, True))
         return _min(1, DEGREE[MeshAxis.PP] - 1) * (size_bytes / bw + lat)
     raise ValueError(kind)
+
+
+def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
+    """Seconds for the tied-embedding gradient all-reduce between the first and last stage of a
+    pipeline: a two-rank ring is a reduce-scatter and an all-gather, each moving half the
+    buffer over the pipeline's slowest hop (0 when pp == 1)."""
+    return 2 * collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, size_bytes / 2, rank_order)
 
 
 # --------------------------------------------------------------------------- compute
@@ -352,6 +360,10 @@ def _derive_time(key: CostKey) -> Program:
             CollKind.ALL_GATHER, {MeshAxis.TP}, boundary, key.rank_order
         )
     p2p = define("p2p", 2 * chunks * hop)
+    # tied embeddings: their gradients are summed over the embedding group after the last
+    # backward, before the optimizer step (not overlapped, as in Megatron-LM)
+    emb_bytes = costs.comm_bytes.get(f"{CollKind.ALL_REDUCE.value}_{EMBEDDING_GROUP}", 0)
+    emb_sync = embedding_sync_time(emb_bytes, key.rank_order) if emb_bytes else sp.Integer(0)
 
     def mb_time(st: dict[str, sp.Expr]) -> sp.Expr:
         return st["compute"] + st["tp"] + st["ep"] + st["cp"] + st["zero"] + p2p
@@ -378,7 +390,7 @@ def _derive_time(key: CostKey) -> Program:
         "ep_comm_s": m * pick("ep"),
         "cp_comm_s": m * pick("cp"),
         "zero_comm_s": m * pick("zero"),
-        "pp_comm_s": m * p2p,
+        "pp_comm_s": m * p2p + emb_sync,
         "bubble_s": bubble_mb * t_mb,
         "dp_comm_s": grad_sync + param_gather,
         "optimizer_s": _max(first["optimizer"], last["optimizer"]),

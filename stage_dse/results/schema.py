@@ -15,6 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from stage_dse.cost.compile import SYMBOL_NAMES
+from stage_dse.cost.derive import EMBEDDING_GROUP
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 
 __all__ = [
@@ -143,6 +144,8 @@ RESULT_SCHEMA = pa.schema(_fields, metadata={HASH_SCHEME_KEY: HASH_SCHEME.encode
 
 def _axis_of(group_label: str) -> str:
     """The parallel axis a communicator group serves: data groups (dp, cp-ep-dp) count as dp."""
+    if group_label == EMBEDDING_GROUP:  # first and last stage of each pipeline
+        return "pp"
     parts = group_label.split("-")
     if "dp" in parts:
         return "dp"

@@ -16,6 +16,8 @@ Modelling choices, visible in ``manifest.json``:
 * data-parallel gradients accumulate over micro-batches and are synchronized once per step,
   layer by layer right after that layer's backward of the last micro-batch (bucketed overlap as
   in Megatron-LM and PyTorch DDP); ZeRO-2/3 reduce-scatter every micro-batch;
+* with tied embeddings and pp > 1, the first and last stage all-reduce the word-embedding
+  gradient over their embedding group after the last backward, before the optimizer step;
 * micro-batches follow 1F1B, or the interleaved schedule with ``virtual_stages`` model chunks
   per stage (chunk ``c`` of stage ``s`` is virtual stage ``c * pp + s``; activations wrap from
   the last stage to the first between chunks);
@@ -38,8 +40,8 @@ import sympy as sp
 
 from stage_dse import __version__
 from stage_dse.cost.bind import bind, bind_hardware
-from stage_dse.cost.derive import _recomputed_ops, cost_key
-from stage_dse.cost.time import _compute_time, collective_time
+from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
+from stage_dse.cost.time import _compute_time, collective_time, embedding_sync_time
 from stage_dse.errors import ConfigError
 from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
 from stage_dse.graph.symbols import Symbols
@@ -55,7 +57,7 @@ from stage_dse.spec import (
     validate_plan,
 )
 from stage_dse.trace import encode as enc
-from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
+from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, EMBEDDING, Mesh
 
 __all__ = ["TraceConfig", "TraceSet", "build_trace_set", "stage_layers", "write_trace_set"]
 
@@ -240,27 +242,40 @@ class _Program:
     def collective(self, op: Op, blocking: bool, per_step: bool = False) -> None:
         if self.group_size(op.group) == 1:
             return  # a one-rank group moves nothing
-        self.flush()
         n = self.numbers[id(op)]
+        self.collective_node(op.name, op.coll, op.group, n.comm_bytes, n.micros, blocking, per_step)
+
+    def collective_node(
+        self,
+        name: str,
+        coll: CollKind,
+        kind: object,
+        comm_bytes: int,
+        micros: int,
+        blocking: bool,
+        per_step: bool = False,
+    ) -> None:
+        """A collective over the group of ``kind`` holding the rank (its id stamped per rank)."""
+        self.flush()
         deps = [self.last_compute] if self.last_compute is not None else []
         if self.pending_comm:
             deps.append(self.pending_comm[-1])
         nid = self._new_id()
         attrs = (
             enc.attr_bool("is_cpu_op", False)
-            + enc.attr_int64("comm_type", int(COLL_TYPE[op.coll]))
-            + enc.attr_int64("comm_size", n.comm_bytes)
+            + enc.attr_int64("comm_type", int(COLL_TYPE[coll]))
+            + enc.attr_int64("comm_size", comm_bytes)
         )
         prefix = enc.node(
             nid,
-            op.name,
+            name,
             enc.NodeType.COMM_COLL_NODE,
             data_deps=deps,
-            duration_micros=n.micros,
+            duration_micros=micros,
             attrs=attrs,
         )
-        self.pieces.append(Piece(prefix, op.group))
-        self.kinds.add(op.group)
+        self.pieces.append(Piece(prefix, kind))
+        self.kinds.add(kind)
         self.counts["COMM_COLL_NODE"] += 1
         if per_step:
             self.step_comm.append(nid)
@@ -381,6 +396,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         ]
         for g in graphs.sections
     }
+    embedding_sync = _embedding_sync(cfg, graphs) if pp > 1 else None
     mesh = Mesh(plan)
     templates = []
     for s in range(pp):
@@ -436,6 +452,16 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 if not first_virtual:
                     name = f"send_gradient:mb{mb}:c{c}"
                     prog.p2p(True, prev_delta, boundary_bytes, own + 1, name)
+        if embedding_sync is not None and s in (0, pp - 1):
+            # tied embeddings: both copies' gradients summed over the embedding group
+            prog.collective_node(
+                "all_reduce:word_embeddings.grad",
+                CollKind.ALL_REDUCE,
+                EMBEDDING,
+                *embedding_sync,
+                blocking=False,
+                per_step=True,
+            )
         # optimizer step waits for every gradient synchronization, then ZeRO-1/2 gathers
         prog.pending_comm = list(prog.step_comm)
         all_sections = [sc for sections in chunks for sc in sections]
@@ -465,9 +491,28 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         "schedule": "1f1b" if v == 1 else f"interleaved 1f1b, {v} chunks per stage",
         "gradient_sync": "once per step, per layer after its last backward (bucketed); "
         "ZeRO-2/3 reduce-scatter per micro-batch",
+        "embedding_sync": (
+            "tied word-embedding gradients all-reduced between the first and last stage "
+            "before the optimizer step"
+            if embedding_sync is not None
+            else "none"
+        ),
         "send_recv_tags": "2 * (micro_batch * chunks + sender chunk) + (0 activation, 1 gradient)",
     }
     return mesh, templates, manifest
+
+
+def _embedding_sync(cfg: TraceConfig, graphs) -> tuple[int, int] | None:
+    """(bytes, microseconds) of the tied-embedding gradient all-reduce; None when untied."""
+    if graphs.tied_head_weight is None:
+        return None
+    size = embedding_sync_bytes(graphs, cfg.training.grads_dtype.bytes)
+    seconds = embedding_sync_time(size, cfg.plan.rank_order)
+    values = {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
+    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    size_bytes = float(sp.sympify(size).xreplace(subs))
+    micros = float(sp.sympify(seconds).xreplace(subs)) * 1e6
+    return round(size_bytes), max(1, round(micros))
 
 
 def numbers_boundary(cfg: TraceConfig, graphs) -> int:
