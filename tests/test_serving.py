@@ -53,6 +53,54 @@ def test_kv_cache_bytes_per_token(preset):
     )
 
 
+def test_latent_attention_caches_one_latent_per_token_and_layer():
+    """MLA caches the kv latent and the rotary key, (d_c + d_h^R) x layers elements per token
+    (DeepSeek-V2 sec. 2.1.2): 61 x (512 + 64) x 2 bytes = 70,272 for DeepSeek-V3, 1/57 of
+    what 128 uncompressed heads of keys and values would take. Shared by all heads, the latent
+    is not split over tensor-parallel ranks: per-GPU cache bytes stay with tp (GQA's shrink)."""
+    model = load_model("deepseek_v3")
+    spec = ServingSpec(prompt_len=2048, output_tokens=256, batch_size=8, weights_dtype="fp8")
+    tp4 = serve("deepseek_v3", ParallelPlan(tp=4, pp=4, expert_tensor_parallel=True), spec)
+    tp8 = serve("deepseek_v3", ParallelPlan(tp=8, pp=4, expert_tensor_parallel=True), spec)
+    per_token = model.num_layers * (model.kv_lora_rank + model.rope_head_dim) * 2
+    assert tp4["serve_kv_bytes_per_token"] == per_token == 70_272
+    mha = 2 * model.num_layers * model.num_heads * model.head_dim * 2  # the paper's 2 n_h d_h l
+    assert mha / per_token == pytest.approx(56.9, abs=0.05)
+    assert tp8["serve_kv_cache_bytes"] == tp4["serve_kv_cache_bytes"]
+    gqa = [serve("llama3_70b", ParallelPlan(tp=t), spec)["serve_kv_cache_bytes"] for t in (4, 8)]
+    assert gqa[1] == gqa[0] / 2
+
+
+def test_latent_decode_absorbs_the_up_projections():
+    """Decode attends over the cached latents with the key up-projection folded into the query
+    and the value up-projection applied after: scores over kv_lora + rope_dim, values over
+    kv_lora, per head and cached position; the latent is read once (flash kernel)."""
+    from stage_dse.graph.core import Role
+    from stage_dse.graph.symbols import Symbols
+    from stage_dse.graph.transformer import build_serving_graphs
+
+    model = load_model("deepseek_v3")
+    spec = ServingSpec(prompt_len=1024, batch_size=2)
+    plan = ParallelPlan(tp=8, expert_tensor_parallel=True)
+    key = serving_key(model, spec, plan)
+    block = build_serving_graphs(key.graph, "decode", key.kv_bytes).block
+    ops = {op.name: op for op in block.ops}
+    assert {"q_absorb", "v_absorb", "latent_cache_write"} <= set(ops)
+    assert "k_b_proj" not in ops and "v_b_proj" not in ops  # nothing decompressed per position
+    attn = ops["core_attention"]
+    like = TrainingSpec(seq_len=1, global_batch_size=2)
+    values = {**bind(model, like, plan.replace(micro_batch_size=2)), "context": 1024}
+    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    b, a, t, kl, r = 2, model.num_heads, 1024, model.kv_lora_rank, model.rope_head_dim
+    assert float(attn.global_flops.xreplace(subs)) == 2 * b * a * t * (kl + r) + 2 * b * a * t * kl
+    cache = next(x for x in attn.inputs if x.role is Role.KV_CACHE)
+    read = sum(float(x.local_bytes.xreplace(subs)) for x in attn.inputs)
+    assert read == pytest.approx(
+        float((cache.local_bytes + attn.inputs[0].local_bytes).xreplace(subs))
+    )
+    assert float(cache.local_bytes.xreplace(subs)) == b * t * (kl + r) * 2
+
+
 def test_fp8_cache_halves_the_kv_bytes():
     a = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024))
     b = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024, kv_dtype="fp8"))
@@ -177,6 +225,7 @@ def test_serving_sweep_through_the_cli(tmp_path):
         ("llama3_8b", ParallelPlan(tp=2, pp=2)),
         ("llama3_8b", ParallelPlan(pp=4)),
         ("mixtral_8x7b", ParallelPlan(tp=4, expert_tensor_parallel=True)),
+        ("deepseek_v3", ParallelPlan(tp=8, pp=2, expert_tensor_parallel=True)),
     ],
 )
 def test_decode_trace_passes_the_checker(tmp_path, preset, plan):

@@ -14,10 +14,11 @@ of serving configurations. No I/O.
   bandwidth take longer than its flops at achieved peak: the roofline of every op decides, and
   the program reports both sides (``serve_decode_memory_s``, ``serve_decode_compute_s``) and the
   floor of reading every weight once (``serve_weight_read_s``).
-* KV cache per token (all layers) is ``2 x layers x kv_heads x head_dim x bytes``, read from
-  the cache tensors of the graph; per GPU it is split over tensor-parallel ranks (kv heads) and
-  pipeline stages (layers). The capacity is how many sequences of ``prompt + output_tokens``
-  fit in the memory left after weights and the prefill working set.
+* KV cache per token (all layers) is ``2 x layers x kv_heads x head_dim x bytes``, or
+  ``layers x (kv_lora + rope_dim) x bytes`` under latent attention, read from the cache tensors
+  of the graph; per GPU it is split over tensor-parallel ranks (kv heads; a latent is whole on
+  every rank) and pipeline stages (layers). The capacity is how many sequences of
+  ``prompt + output_tokens`` fit in the memory left after weights and the prefill working set.
 """
 
 from __future__ import annotations

@@ -85,6 +85,8 @@ class DIMS:
     qk_dim = Axis("dq", S.head_dim + S.rope_dim)
     nope_dim = Axis("dn", S.head_dim)
     v_dim = Axis("dv", S.v_head_dim)
+    latent_cache = Axis("kc", S.kv_lora + S.rope_dim)
+    """Serving MLA: a cached position, the kv latent and the rotary key side by side."""
     shared_ffn = Axis("fs", S.shared_experts * S.moe_ffn)
 
 
@@ -270,6 +272,8 @@ class _Builder:
         Dq, Dn, Dv = DIMS.qk_dim, DIMS.nope_dim, DIMS.v_dim
         cq = g.einsum("q_a_proj", ln1g, self.w("q_a_proj.weight", [H, QL], [(), ()]), [Bt, Sq, QL])
         cq = self.norm("q_a_norm", cq)
+        if self.serving == "decode":
+            return self.latent_attention_decode(ln1g, cq)
         q = g.einsum(
             "q_b_proj", cq, self.w("q_b_proj.weight", [QL, A, Dq], [(), (TP,), ()]), [Bt, Sq, A, Dq]
         )
@@ -283,6 +287,8 @@ class _Builder:
         )
         kr = g.pointwise(ROPE, "k_rope", kr)
         ckv = self.norm("kv_a_norm", ckv)
+        if self.serving:  # prefill: attention runs decompressed, the cache keeps the latent
+            self.latent_cache(ckv, kr)
         kn = g.einsum(
             "k_b_proj",
             ckv,
@@ -306,6 +312,73 @@ class _Builder:
                 ctx = g.einsum("context", probs, v, [Bt, Sq, A, Dv])
         wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
         return g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+
+    def latent_cache(self, ckv: Tensor, kr: Tensor) -> Tensor:
+        """Serving MLA: write the new positions' kv latent and rotary key into the cache, one
+        ``kv_lora + rope_dim`` vector per position shared by every head, so each
+        tensor-parallel rank holds the whole cache of its sequences (DeepSeek-V2 sec. 2.1.2:
+        ``(d_c + d_h^R) x layers`` elements per token)."""
+        g = self.g
+        layout = [ckv.layout[0], (), ()]
+        cache = g.tensor(
+            "latent_cache",
+            Role.KV_CACHE,
+            [DIMS.batch, DIMS.context, DIMS.latent_cache],
+            layout,
+            self.kv_bytes,
+        )
+        g.permute("latent_cache_write", ckv, ckv.axes, ckv.layout, weights=kr)
+        return cache
+
+    def latent_attention_decode(self, ln1g: Tensor, cq: Tensor) -> Tensor:
+        """MLA decode with absorbed up-projections (DeepSeek-V2 sec. 2.1.2; the kernels of
+        FlashMLA, vLLM and SGLang): the key up-projection folds into the query
+        (``q_absorb``), attention runs over the cached latents themselves, the value
+        up-projection applies to its output (``v_absorb``); the latent is read once, as keys
+        and, its first ``kv_lora`` entries, as values."""
+        g = self.g
+        Bt, Sq, H = DIMS.batch, DIMS.seq, DIMS.hidden
+        A, QL, KL, R = DIMS.heads, DIMS.q_lora, DIMS.kv_lora, DIMS.rope
+        Dn, Dv, KC, T = DIMS.nope_dim, DIMS.v_dim, DIMS.latent_cache, DIMS.context
+        heads = [(), (TP,), ()]
+        # q_b_proj's nope and rotary columns (the same weights as one [q_lora, heads, dq])
+        q_nope = g.einsum(
+            "q_b_proj", cq, self.w("q_b_proj.weight", [QL, A, Dn], heads), [Bt, Sq, A, Dn]
+        )
+        q_rope = g.einsum(
+            "q_b_proj.rope", cq, self.w("q_b_proj.rope_weight", [QL, A, R], heads), [Bt, Sq, A, R]
+        )
+        q_rope = g.pointwise(ROPE, "q_rope", q_rope)
+        ckv = g.einsum(
+            "kv_a_proj", ln1g, self.w("kv_a_proj.weight", [H, KL], [(), ()]), [Bt, Sq, KL]
+        )
+        kr = g.einsum(
+            "k_rope_proj", ln1g, self.w("k_rope_proj.weight", [H, R], [(), ()]), [Bt, Sq, R]
+        )
+        kr = g.pointwise(ROPE, "k_rope", kr)
+        ckv = self.norm("kv_a_norm", ckv)
+        cache = self.latent_cache(ckv, kr)
+        wk = self.w("k_b_proj.weight", [KL, A, Dn], heads)
+        q_lat = g.einsum("q_absorb", q_nope, wk, [Bt, Sq, A, KL])
+        q = g.permute("q_concat", q_lat, [Bt, Sq, A, KC], q_lat.layout, weights=q_rope)
+        with g.region(Region.ATTENTION_CORE):
+            if self.k.attention is AttentionKernel.FLASH:
+                # values are the latent part of the cached vectors, read once with the keys
+                values = g.tensor("latent_values", Role.ACTIVATION, [Bt, T, KL], cache.layout, 0)
+                ctx = g.attention(
+                    "core_attention", q, cache, values, Sq, T, [Bt, Sq, A, KL], [Bt, A, Sq]
+                )
+            else:  # unfused: the probabilities meet the cache a second time
+                values = g.tensor(
+                    "latent_values", Role.ACTIVATION, [Bt, T, KL], cache.layout, self.kv_bytes
+                )
+                scores = g.einsum("scores", q, cache, [Bt, A, Sq, T])
+                probs = g.pointwise(SOFTMAX, "softmax", scores)
+                ctx = g.einsum("context", probs, values, [Bt, Sq, A, KL])
+        wv = self.w("v_b_proj.weight", [KL, A, Dv], heads)
+        out = g.einsum("v_absorb", ctx, wv, [Bt, Sq, A, Dv])
+        wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
+        return g.einsum("o_proj", out, wo, [Bt, Sq, H])
 
     def norm(self, name: str, x: Tensor) -> Tensor:
         H = x.axes[-1]  # the normalized (last) axis: hidden, or a latent rank under MLA

@@ -54,8 +54,6 @@ def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan)
         )
     if plan.ep != 1:
         raise ConfigError("serving: expert parallelism is not modelled; use expert_tensor_parallel")
-    if model.is_mla:
-        raise ConfigError("serving: latent-attention (MLA) caches are not modelled yet")
     divides("tp", plan.tp, "heads", model.num_heads)
     if model.num_kv_heads % plan.tp:
         raise ConfigError(f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads})")
