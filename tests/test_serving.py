@@ -101,6 +101,16 @@ def test_latent_decode_absorbs_the_up_projections():
     assert float(cache.local_bytes.xreplace(subs)) == b * t * (kl + r) * 2
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prefill_working_set_is_the_peak_of_live_activations(tp):
+    """Buffers are reused as tensors die, so the prefill working set is the peak of one layer's
+    live activations; for Llama 3 8B that is at the SwiGLU product: the residual stream, the
+    gate and up projections and their product, h + 3 f / tp values per token."""
+    got = serve("llama3_8b", ParallelPlan(tp=tp), ServingSpec(prompt_len=1024, batch_size=2))
+    h, f = 4096, 14336
+    assert got["serve_working_bytes"] == 2 * 1024 * (h + 3 * f / tp) * 2
+
+
 def test_fp8_cache_halves_the_kv_bytes():
     a = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024))
     b = serve("llama3_8b", ParallelPlan(), ServingSpec(prompt_len=1024, kv_dtype="fp8"))

@@ -18,7 +18,8 @@ of serving configurations. No I/O.
   ``layers x (kv_lora + rope_dim) x bytes`` under latent attention, read from the cache tensors
   of the graph; per GPU it is split over tensor-parallel ranks (kv heads; a latent is whole on
   every rank) and pipeline stages (layers). The capacity is how many sequences of
-  ``prompt + output_tokens`` fit in the memory left after weights and the prefill working set.
+  ``prompt + output_tokens`` fit in the memory left after weights and the prefill working set
+  (the peak of one layer's live activations in prefill, buffers reused as they die).
 """
 
 from __future__ import annotations
@@ -63,6 +64,40 @@ def _sum(items) -> sp.Expr:
     return sp.Add(*items) if items else sp.Integer(0)
 
 
+def _peak_live_bytes(ops) -> tuple[sp.Expr, ...]:
+    """Per-GPU bytes of activations alive at each op of a forward-only pass, their peak being
+    the working set (:func:`_peak`): a tensor lives from the op that writes it (the section's
+    input from the start) to the last op that reads it, views alias what they view. What an
+    inference engine reusing its buffers needs."""
+    alias: dict = {}
+    for op in ops:
+        if op.kind is OpKind.VIEW:
+            alias[op.outputs[0]] = alias.get(op.inputs[0], op.inputs[0])
+    live = (Role.ACTIVATION, Role.INPUT)
+    span: dict = {}  # tensor -> [first, last] op index
+    for i, op in enumerate(ops):
+        if op.kind is OpKind.VIEW:
+            continue
+        for t in op.inputs:
+            t = alias.get(t, t)
+            if t.role in live:
+                span.setdefault(t, [0, i])[1] = i
+        for t in op.outputs:
+            if t.role in live:
+                span.setdefault(t, [i, i])
+    per_op = (
+        _sum(t.local_bytes for t, (a, b) in span.items() if a <= i <= b) for i in range(len(ops))
+    )
+    return tuple(dict.fromkeys(per_op))
+
+
+def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
+    """The largest of ``terms`` after substitution (kept unevaluated: sympy would try to order
+    the symbolic terms)."""
+    terms = tuple(dict.fromkeys(t.xreplace(subs) for t in terms))
+    return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
+
+
 def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     compute, comm, mem, flops = [], [], [], []
@@ -79,7 +114,7 @@ def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
     caches = {t for op in ops for t in op.inputs if t.role is Role.KV_CACHE}
     kv_global = _sum(t.numel * t.dtype_bytes for t in caches)
     kv_local = _sum(t.local_bytes for t in caches)
-    working = _sum(t.local_bytes for op in ops for t in op.outputs)
+    working = _peak_live_bytes(ops)
     return {
         "time": _sum(compute) + _sum(comm),
         "memory_time": _sum(mem),
@@ -120,7 +155,7 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
             "time": (total("time") + (pp - 1) * hop).xreplace(subs),
             "memory_time": (total("memory_time") / pp).xreplace(subs),
             "compute_time": (total("compute_time") / pp).xreplace(subs),
-            "working": blk["working"].xreplace(subs),
+            "working": _peak(blk["working"], subs),
             "kv_global": blk["kv_global"],
             "kv_local": blk["kv_local"],
         }
@@ -147,7 +182,7 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     )
     out["serve_mem_headroom_bytes"] = S.usable_memory - out["serve_mem_total_bytes"]
     free = S.usable_memory - out["serve_weights_bytes"] - out["serve_working_bytes"]
-    out["serve_kv_capacity_seqs"] = sp.floor(sp.Max(0, free) / kv_per_seq_gpu)
+    out["serve_kv_capacity_seqs"] = sp.floor(sp.Max(0, free, evaluate=False) / kv_per_seq_gpu)
     out["serve_decode_memory_s"] = dec["memory_time"]
     out["serve_decode_compute_s"] = dec["compute_time"]
     out["serve_weight_read_s"] = out["serve_weights_bytes"] / S.hbm_bandwidth
