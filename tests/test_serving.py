@@ -14,9 +14,9 @@ from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.serving import evaluate_serving_table, serving_key
 from stage_dse.errors import ConfigError
 from stage_dse.results import ResultStore, load
-from stage_dse.runner.serving import ServingSweepSpec, run_serving
+from stage_dse.runner.serving import ServingSweepSpec, run_serving, serving_top_table
 from stage_dse.spec import ParallelPlan, TrainingSpec
-from stage_dse.spec.serving import ServingSpec, validate_serving
+from stage_dse.spec.serving import ServingSpec, serving_plan, validate_serving
 from stage_dse.trace import check_trace_dir
 from stage_dse.trace.serving import write_serving_trace
 
@@ -162,7 +162,8 @@ def test_kv_capacity():
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        (ParallelPlan(dp=2), "serving plans use tp and pp only"),
+        (ParallelPlan(dp=2), "serving plans use tp, pp and ep"),
+        (ParallelPlan(dp=2, ep=2), "ep(2) > 1 needs a mixture-of-experts model"),
         (ParallelPlan(tp=16), "tp(16) does not divide kv_heads(8)"),
         (ParallelPlan(pp=100), "pp(100) > layers(32)"),
     ],
@@ -170,6 +171,24 @@ def test_kv_capacity():
 def test_serving_validation(plan, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_serving(load_model("llama3_8b"), ServingSpec(prompt_len=128), plan)
+
+
+def test_expert_parallel_serving_splits_experts_and_counts_every_rank():
+    """Mixtral with the experts over ep ranks, attention data-parallel over them: each GPU
+    holds 1/ep of the expert weights (3 x h x f_e per expert and layer) and every dense weight;
+    tokens/s per GPU counts the batches of all ep ranks; an all-to-all per layer moves tokens."""
+    model = load_model("mixtral_8x7b")
+    spec = ServingSpec(prompt_len=2048, batch_size=16)
+    got = {ep: serve("mixtral_8x7b", serving_plan(model, 1, 1, 16, ep), spec) for ep in (2, 4)}
+    expert_bytes = model.num_layers * 8 * 3 * 4096 * 14336 * 2
+    split = got[2]["serve_weights_bytes"] - got[4]["serve_weights_bytes"]
+    assert split == pytest.approx(expert_bytes * (1 / 2 - 1 / 4), rel=1e-12)
+    r = got[4]
+    assert r["serve_tokens_per_s_per_gpu"] == pytest.approx(4 * 16 / r["serve_tpot_s"] / 4)
+    with pytest.raises(ConfigError, match=r"ep\(3\) does not divide experts\(8\)"):
+        validate_serving(model, spec, serving_plan(model, 1, 1, 16, 3))
+    with pytest.raises(ConfigError, match="dp = ep"):
+        validate_serving(model, spec, serving_plan(model, 1, 1, 16, 2).replace(dp=4))
 
 
 def test_serving_sweep_lands_in_parquet(tmp_path):
@@ -210,6 +229,24 @@ def test_serving_sweep_lands_in_parquet(tmp_path):
     assert len(load(tmp_path / "serve")) == len(df)
 
 
+def test_expert_parallel_serving_sweep(tmp_path):
+    spec = ServingSweepSpec(
+        name="moe",
+        model=load_model("mixtral_8x7b"),
+        hardware=(H100,),
+        cluster=load_cluster("dgx_h100"),
+        tp=(1, 2),
+        ep=(1, 2, 4, 3),
+        batch_sizes=(8,),
+        prompt_lens=(1024,),
+    )
+    report = run_serving(spec, ResultStore(tmp_path / "moe"), log=lambda s: None)
+    df = load(tmp_path / "moe")
+    assert len(df) == report.valid == 2 * 3 and report.rejected  # ep 3 does not divide 8
+    assert (df["num_gpus"] == df["tp"] * df["ep"]).all() and (df["dp"] == df["ep"]).all()
+    assert set(serving_top_table(df).columns) >= {"tp", "pp", "ep", "batch"}
+
+
 def test_serving_sweep_through_the_cli(tmp_path):
     proc = subprocess.run(
         [
@@ -236,6 +273,7 @@ def test_serving_sweep_through_the_cli(tmp_path):
         ("llama3_8b", ParallelPlan(pp=4)),
         ("mixtral_8x7b", ParallelPlan(tp=4, expert_tensor_parallel=True)),
         ("deepseek_v3", ParallelPlan(tp=8, pp=2, expert_tensor_parallel=True)),
+        ("mixtral_8x7b", ParallelPlan(dp=4, ep=4, pp=2)),
     ],
 )
 def test_decode_trace_passes_the_checker(tmp_path, preset, plan):

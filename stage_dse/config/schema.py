@@ -148,6 +148,8 @@ class ServingConf:
 
     tp: Any = "auto"
     pp: list[int] = field(default_factory=lambda: [1])
+    ep: list[int] = field(default_factory=lambda: [1])
+    """Expert parallelism (MoE): attention data-parallel over the ep ranks, experts split."""
     batch_size: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
     prompt_len: list[int] = field(default_factory=lambda: [2048])
     output_tokens: int = 256
@@ -334,7 +336,7 @@ def to_serving_sweep(cfg: DictConfig):
         tp = [tp]
     elif isinstance(tp, str) and tp != "auto":
         raise ConfigError(f"serving.tp={tp!r}: give an integer, a list of integers or 'auto'")
-    for name in ("pp", "batch_size", "prompt_len"):
+    for name in ("pp", "ep", "batch_size", "prompt_len"):
         values = sv[name] if isinstance(sv[name], list) else [sv[name]]
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -346,6 +348,7 @@ def to_serving_sweep(cfg: DictConfig):
         cluster=cluster,
         tp=tp,
         pp=tuple(sv["pp"] if isinstance(sv["pp"], list) else [sv["pp"]]),
+        ep=tuple(sv["ep"] if isinstance(sv["ep"], list) else [sv["ep"]]),
         batch_sizes=tuple(sv["batch_size"]),
         prompt_lens=tuple(sv["prompt_len"]),
         output_tokens=sv["output_tokens"],

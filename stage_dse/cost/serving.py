@@ -9,7 +9,8 @@ of serving configurations. No I/O.
   to first token. **Decode** runs one token per sequence against a KV cache of the mean length
   ``prompt + output_tokens / 2``: the time per output token. A pass crosses the pipeline stages
   one after the other (plus a send per stage boundary); with ``pp`` stages, ``pp`` batches are in
-  flight, so throughput is ``pp x batch / time per token``.
+  flight, so throughput is ``pp x batch / time per token`` (``batch`` over all expert-parallel
+  attention ranks when the experts are split over ``ep = dp`` of them).
 * Decode is memory bound when its bytes (weights, KV cache, activations) at achieved HBM
   bandwidth take longer than its flops at achieved peak: the roofline of every op decides, and
   the program reports both sides (``serve_decode_memory_s``, ``serve_decode_compute_s``) and the
@@ -170,10 +171,10 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     per_token_layer_gpu = dec["kv_local"] / (S.micro_batch * S.context)
     seq_len = S.prompt + S.output_tokens
     kv_per_seq_gpu = seq_len * per_token_layer_gpu * per_stage
-    gpus = S.tp * S.pp
+    gpus = S.tp * S.pp * S.dp  # dp > 1 only as expert parallelism's attention ranks
     out["serve_ttft_s"] = pre["time"]
     out["serve_tpot_s"] = dec["time"]
-    out["serve_tokens_per_s_per_gpu"] = pp * S.micro_batch / dec["time"] / gpus
+    out["serve_tokens_per_s_per_gpu"] = pp * batch / dec["time"] / gpus
     out["serve_kv_bytes_per_token"] = L * per_token_layer
     out["serve_kv_cache_bytes"] = pp * S.micro_batch * kv_per_seq_gpu
     out["serve_working_bytes"] = pre["working"]

@@ -1,4 +1,4 @@
-"""Serving sweeps: every (hardware, tp, pp, batch, prompt) of a model, evaluated and stored.
+"""Serving sweeps: every (hardware, tp, pp, ep, batch, prompt) of a model, evaluated and stored.
 
 Serving spaces are small (thousands of rows), so configurations are built and validated one by
 one and evaluated together (one compiled serving program per family). Rows land in the same
@@ -9,6 +9,7 @@ memory columns hold the serving footprint, training-only columns are null.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
 from stage_dse.search.space import divisors
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
-from stage_dse.spec.serving import ServingSpec
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
+from stage_dse.spec.serving import ServingSpec, serving_plan
 
 __all__ = ["ServingSweepSpec", "run_serving", "serving_top_table"]
 
@@ -41,6 +42,8 @@ class ServingSweepSpec:
     cluster: ClusterSpec
     tp: Sequence[int] | str = "auto"
     pp: Sequence[int] = (1,)
+    ep: Sequence[int] = (1,)
+    """Expert-parallel sizes (MoE models): attention runs data-parallel over the ep ranks."""
     batch_sizes: Sequence[int] = (1, 8, 32, 128)
     prompt_lens: Sequence[int] = (2048,)
     output_tokens: int = 256
@@ -57,62 +60,55 @@ def run_serving(
     model = spec.model
     tps = divisors(model.num_heads) if spec.tp == "auto" else list(spec.tp)
     rows, keys = [], []
-    for hw in spec.hardware:
-        for tp in tps:
-            for pp in spec.pp:
-                for batch in spec.batch_sizes:
-                    for prompt in spec.prompt_lens:
-                        report.candidates += 1
-                        try:
-                            serving = ServingSpec(
-                                prompt_len=prompt,
-                                output_tokens=spec.output_tokens,
-                                batch_size=batch,
-                                kv_dtype=spec.kv_dtype,
-                                weights_dtype=spec.weights_dtype,
-                            )
-                            plan = ParallelPlan(
-                                tp=tp,
-                                pp=pp,
-                                micro_batch_size=batch,
-                                expert_tensor_parallel=model.is_moe and tp > 1,
-                            )
-                            key = serving_key(model, serving, plan)
-                            cluster = spec.cluster.replace(num_gpus=tp * pp)
-                        except ConfigError as exc:
-                            report.rejected[_rule(str(exc))] += 1
-                            continue
-                        like = TrainingSpec(
-                            seq_len=prompt,
-                            global_batch_size=batch,
-                            params_dtype=serving.weights_dtype,
-                        )
-                        row = {**model_columns(model, like), "hardware": hw.name}
-                        row.update(bind(model, like, plan))
-                        row.update(bind_hardware(hw, cluster))
-                        row.update(
-                            {
-                                "workload": "serving",
-                                "kv_bytes": serving.kv_dtype.bytes,
-                                "cluster": cluster.name,
-                                "num_gpus": tp * pp,
-                                "prompt": prompt,
-                                "output_tokens": spec.output_tokens,
-                                "context": prompt,
-                                "expert_tensor_parallel": plan.expert_tensor_parallel,
-                                "sequence_parallel": False,
-                                "attention": plan.attention.value,
-                                "zero_stage": 0,
-                                "recompute": "none",
-                                "schedule": "1f1b",
-                                "rank_order": "-".join(a.value for a in plan.rank_order),
-                                "overlap_grad_reduce": True,
-                                "overlap_param_gather": True,
-                                "tp_comm_overlap": False,
-                            }
-                        )
-                        rows.append(row)
-                        keys.append(key)
+    for hw, tp, pp, ep, batch, prompt in itertools.product(
+        spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, spec.prompt_lens
+    ):
+        report.candidates += 1
+        try:
+            serving = ServingSpec(
+                prompt_len=prompt,
+                output_tokens=spec.output_tokens,
+                batch_size=batch,
+                kv_dtype=spec.kv_dtype,
+                weights_dtype=spec.weights_dtype,
+            )
+            plan = serving_plan(model, tp, pp, batch, ep)
+            key = serving_key(model, serving, plan)
+            cluster = spec.cluster.replace(num_gpus=plan.num_gpus)
+        except ConfigError as exc:
+            report.rejected[_rule(str(exc))] += 1
+            continue
+        like = TrainingSpec(
+            seq_len=prompt,
+            global_batch_size=batch * plan.dp,
+            params_dtype=serving.weights_dtype,
+        )
+        row = {**model_columns(model, like), "hardware": hw.name}
+        row.update(bind(model, like, plan))
+        row.update(bind_hardware(hw, cluster))
+        row.update(
+            {
+                "workload": "serving",
+                "kv_bytes": serving.kv_dtype.bytes,
+                "cluster": cluster.name,
+                "num_gpus": plan.num_gpus,
+                "prompt": prompt,
+                "output_tokens": spec.output_tokens,
+                "context": prompt,
+                "expert_tensor_parallel": plan.expert_tensor_parallel,
+                "sequence_parallel": False,
+                "attention": plan.attention.value,
+                "zero_stage": 0,
+                "recompute": "none",
+                "schedule": "1f1b",
+                "rank_order": "-".join(a.value for a in plan.rank_order),
+                "overlap_grad_reduce": True,
+                "overlap_param_gather": True,
+                "tp_comm_overlap": False,
+            }
+        )
+        rows.append(row)
+        keys.append(key)
     report.valid = len(rows)
     log(
         f"serving sweep {spec.name}: {report.valid:,} valid configurations of "
@@ -160,6 +156,7 @@ def serving_top_table(df: pd.DataFrame, k: int = 10, by: str = "decode_tokens_pe
             "hardware": best["hardware"],
             "tp": best["tp"],
             "pp": best["pp"],
+            "ep": best["ep"],
             "batch": best["micro_batch"],
             "prompt": best["prompt"],
             "ttft_ms": (best["ttft_s"] * 1e3).round(1),

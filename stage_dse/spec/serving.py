@@ -1,7 +1,11 @@
 """``ServingSpec``: an inference workload (prompt length, generated tokens, batch, dtypes).
 
-A serving plan is a ``ParallelPlan`` with tensor and pipeline parallelism (dp = cp = 1: a
-replica serves independently); :func:`validate_serving` checks it against a model.
+A serving plan is a ``ParallelPlan`` with tensor and pipeline parallelism (a replica serves
+independently, so dp = 1), or, for mixture-of-experts models, expert parallelism with attention
+data-parallel over the expert-parallel ranks (dp = ep: each rank attends for its own batch, the
+experts are split over them and tokens reach their experts by all-to-all, as SGLang and
+DeepSeek's inference deploy it). :func:`serving_plan` builds one, :func:`validate_serving`
+checks it against a model.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import ParallelPlan
 from stage_dse.spec.training import DType
 
-__all__ = ["ServingSpec", "validate_serving"]
+__all__ = ["ServingSpec", "serving_plan", "validate_serving"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,14 +50,32 @@ class ServingSpec:
         return dataclasses.replace(self, **changes)
 
 
+def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 1) -> ParallelPlan:
+    """The plan of a serving replica: experts split over tensor-parallel ranks when tp > 1
+    (expert tensor parallelism), and over ``ep`` data-parallel attention ranks."""
+    return ParallelPlan(
+        dp=ep,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        micro_batch_size=batch_size,
+        expert_tensor_parallel=model.is_moe and tp > 1,
+    )
+
+
 def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> None:
-    if plan.dp != 1 or plan.cp != 1:
+    if plan.cp != 1 or plan.dp != plan.ep:
         raise ConfigError(
-            f"serving plans use tp and pp only; got dp({plan.dp}) cp({plan.cp}) (replicas are "
-            "independent: count them as more GPUs)"
+            f"serving plans use tp, pp and ep (attention data-parallel over the ep ranks, dp = "
+            f"ep); got dp({plan.dp}) ep({plan.ep}) cp({plan.cp}) (independent replicas: count "
+            "them as more GPUs)"
         )
-    if plan.ep != 1:
-        raise ConfigError("serving: expert parallelism is not modelled; use expert_tensor_parallel")
+    if plan.ep > 1:
+        if not model.is_moe:
+            raise ConfigError(
+                f"ep({plan.ep}) > 1 needs a mixture-of-experts model; {model.name} is dense"
+            )
+        divides("ep", plan.ep, "experts", model.num_experts)
     divides("tp", plan.tp, "heads", model.num_heads)
     if model.num_kv_heads % plan.tp:
         raise ConfigError(f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads})")

@@ -181,7 +181,7 @@ def select_and_write(
 
 def _serving_config_mode(cfg, out: str, steps: int):
     from stage_dse.config.schema import to_serving_sweep
-    from stage_dse.spec.serving import ServingSpec
+    from stage_dse.spec.serving import ServingSpec, serving_plan
     from stage_dse.trace.serving import write_serving_trace
 
     spec = to_serving_sweep(cfg)
@@ -189,15 +189,14 @@ def _serving_config_mode(cfg, out: str, steps: int):
     for name, values in (
         ("tp", spec.tp),
         ("pp", spec.pp),
+        ("ep", spec.ep),
         ("batch_size", spec.batch_sizes),
         ("prompt_len", spec.prompt_lens),
     ):
         if isinstance(values, str) or len(values) != 1:
             raise ConfigError(f"serving.{name}: give exactly one value for a trace, got {values!r}")
         one[name] = values[0]
-    plan = ParallelPlan(
-        tp=one["tp"], pp=one["pp"], expert_tensor_parallel=spec.model.is_moe and one["tp"] > 1
-    )
+    plan = serving_plan(spec.model, one["tp"], one["pp"], one["batch_size"], one["ep"])
     serving = ServingSpec(
         prompt_len=one["prompt_len"],
         output_tokens=spec.output_tokens,
