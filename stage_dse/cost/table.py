@@ -5,7 +5,9 @@ A *plan table* is a pandas DataFrame with one row per configuration: the numeric
 structural columns (:data:`KEY_COLUMNS`, e.g. ``recompute``, ``zero_stage``) that select a
 compiled family, and any label columns (model name, hardware name, ...), which are carried
 along untouched. :func:`evaluate_table` groups rows by family and evaluates each group with one
-call of its compiled function.
+call of its compiled function. :class:`PlanColumns` holds the same table as columns, constants
+kept as scalars (what enumeration produces and sweep workers evaluate with
+:func:`evaluate_columns`, without building a DataFrame).
 """
 
 from __future__ import annotations
@@ -245,6 +247,8 @@ def evaluate_columns(plans: PlanColumns, subset: str = "all") -> tuple[list[str]
     missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in plans]
     if missing:
         raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
+    if len(plans) == 0:
+        return [], np.zeros((0, 0))
     runs = [
         (compile_family(key_from_values(v), None, subset), a, b) for v, a, b in plans.family_runs()
     ]
