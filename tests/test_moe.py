@@ -8,12 +8,14 @@ import json
 import pytest
 
 from stage_dse.config import load_cluster, load_hardware, load_model
-from stage_dse.cost.bind import evaluate_plan
+from stage_dse.cost.bind import bind, evaluate_plan
 from stage_dse.errors import ConfigError
+from stage_dse.graph import CollKind, build_graphs
+from stage_dse.graph.symbols import Symbols
 from stage_dse.results import ResultStore, load
 from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
 from stage_dse.search import SearchSpace
-from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec, validate_plan
+from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan, TrainingSpec, validate_plan
 from stage_dse.trace import check_trace_dir, write_trace_set
 from stage_dse.trace import et_def_pb2 as pb
 from stage_dse.trace.encode import read_trace
@@ -166,6 +168,26 @@ def test_moe_sweep_and_expert_parallel_trace(tmp_path):
     assert a2a
     pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
     assert len(groups[pg]) == 4  # the expert-parallel group
+
+
+def test_latent_attention_rotary_key_gradient_is_reduced_over_tensor_parallel_ranks():
+    """MLA's rotary key is one vector per token copied into every head; with heads split over
+    tensor-parallel ranks, each rank holds part of its gradient: one all-reduce of
+    b x s x rope_dim values per layer, in backward."""
+    model = load_model("deepseek_v3")
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    plan = ParallelPlan(dp=8, tp=2, ep=8, sequence_parallel=True, micro_batch_size=2)
+    block = build_graphs(model, plan, training).block
+    rope = [
+        op
+        for op in block.ops
+        if op.coll is CollKind.ALL_REDUCE
+        and op.group == {MeshAxis.TP}
+        and op.name.endswith("k_rope")
+    ]
+    assert len(rope) == 1 and rope[0].phase.value == "backward"
+    subs = {Symbols.all()[k]: v for k, v in bind(model, training, plan).items()}
+    assert float(rope[0].comm_bytes.xreplace(subs)) == 2 * 4096 * model.rope_head_dim * 2
 
 
 def test_deepseek_v3_published_layout_fits():

@@ -129,6 +129,21 @@ def test_collective_groups_per_strategy():
     assert got.get("comm_all_reduce_tp", 0) < 1e-3 * got["comm_all_gather_tp"]
 
 
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sequence_parallel_gathers_the_layer_input_once_each_way(family):
+    """Under sequence parallelism the attention input is all-gathered once in forward and once
+    in backward (Korthikanti et al. sec. 4.2.2), however many projections read it: keys and
+    values read it through a view, and the backward reissues one gather for all of them."""
+    plan = ParallelPlan(dp=2, tp=2, sequence_parallel=True)
+    block = build_graphs(MODELS[family], plan, TRAIN).block
+    gathers = [
+        op
+        for op in block.ops
+        if op.coll is CollKind.ALL_GATHER and op.name == "all_gather:input_norm"
+    ]
+    assert sorted(op.phase.value for op in gathers) == ["backward", "forward"]
+
+
 def test_symbolic_sizes_bind_to_direct_numbers():
     """A hand count of tensor-parallel all-reduce bytes (no SP): per layer two in forward and two
     in backward, each of b*s*h*2 bytes; the vocab-parallel embedding's output in forward; the

@@ -781,7 +781,7 @@ class Graph:
         root = seed if seed is not None else self.loss
         assert root is not None, "no loss and no seed gradient"
         grads[root] = self._grad_like(root, root.layout)
-        regathered: dict[Tensor, Tensor] = {}
+        regathered: dict = {}
         for op in reversed(forward):
             outs = [t for t in op.outputs if t in grads]
             if not outs:
@@ -808,24 +808,26 @@ class Graph:
             grads[t] = g
         return g
 
-    def _need(self, t: Tensor, regathered: dict[Tensor, Tensor]) -> Tensor:
-        """A saved tensor as backward reads it: all-gathers that were not kept are reissued."""
+    def _need(self, t: Tensor, regathered: dict) -> Tensor:
+        """A saved tensor as backward reads it: all-gathers that were not kept are reissued,
+        once per kept tensor and layout (views of one gathered tensor share the regather)."""
         src = self.gathered_source(t)
         if src is t:
             return t
-        if t not in regathered:
-            again = self.redistribute(src, t.layout, phase=Phase.BACKWARD, regather=True)
-            if again.axes != t.axes:
-                again = Tensor(
-                    name=t.name,
-                    role=t.role,
-                    axes=t.axes,
-                    layout=t.layout,
-                    dtype_bytes=t.dtype_bytes,
-                    scope=t.scope,
-                )
-            regathered[t] = again
-        return regathered[t]
+        key = (src, tuple(tuple(ms) for ms in t.layout))
+        if key not in regathered:
+            regathered[key] = self.redistribute(src, t.layout, phase=Phase.BACKWARD, regather=True)
+        again = regathered[key]
+        if again.axes != t.axes:  # the same data indexed like the saved view
+            again = Tensor(
+                name=t.name,
+                role=t.role,
+                axes=t.axes,
+                layout=t.layout,
+                dtype_bytes=t.dtype_bytes,
+                scope=t.scope,
+            )
+        return again
 
     def _accumulate(self, grads: dict[Tensor, Tensor], t: Tensor, g: Tensor) -> None:
         if t.role is Role.INPUT:
@@ -868,9 +870,7 @@ class Graph:
         )
         grads[t] = total
 
-    def _backward_of(
-        self, op: Op, grads: dict[Tensor, Tensor], regathered: dict[Tensor, Tensor]
-    ) -> None:
+    def _backward_of(self, op: Op, grads: dict[Tensor, Tensor], regathered: dict) -> None:
         kind = op.kind
         if kind is OpKind.VIEW:
             (x,), (y,) = op.inputs, op.outputs
@@ -883,9 +883,11 @@ class Graph:
             x = op.inputs[0]
             dx = self._grad_like(x, x.layout)
             outs = [dx]
-            if len(op.inputs) > 1:  # combine: gradient of the routing weights too
+            if len(op.inputs) > 1:  # the copied-in second operand (routing weights, ...)
                 w = op.inputs[1]
-                outs.append(self._grad_like(w, w.layout))
+                # ranks that split the output but hold the whole operand each add their part
+                spread = {a for ms in y.layout for a in ms} - {a for ms in w.layout for a in ms}
+                outs.append(self._grad_like(w, w.layout, spread))
             self._record(
                 Op(
                     kind=OpKind.PERMUTE,

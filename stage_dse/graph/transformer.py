@@ -264,8 +264,9 @@ class _Builder:
         queries through a rank-``q_lora`` bottleneck, keys and values from a shared
         rank-``kv_lora`` latent, a rotary key part shared by the heads; heads split over TP,
         the down-projections replicated. The rotary key is copied into every head's key (the
-        fused kernels' layout); its gradient's reduction over tensor-parallel ranks is left out
-        (b*s*rope_dim elements per layer). Returns the o_proj output, partial over TP."""
+        fused kernels' layout), so its gradient, summed over each rank's heads, is all-reduced
+        over the tensor-parallel group (b*s*rope_dim elements per layer). Returns the o_proj
+        output, partial over TP."""
         g = self.g
         Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
         A, QL, KL, R = DIMS.heads, DIMS.q_lora, DIMS.kv_lora, DIMS.rope
