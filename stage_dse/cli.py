@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from stage_dse.config.presets import conf_dir
-from stage_dse.config.schema import register_schemas, to_sweep
+from stage_dse.config.schema import check_top_level, register_schemas, to_sweep
 from stage_dse.errors import StageDseError
 
 __all__ = ["main", "run"]
@@ -49,6 +49,7 @@ def run(cfg: DictConfig) -> int:
     from stage_dse.runner.executors import make_executor
     from stage_dse.runner.sweep import run_grid, top_table
 
+    check_top_level(cfg)
     if cfg.workload == "serving":
         return _run_serving(cfg)
     if cfg.workload != "training":

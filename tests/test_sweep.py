@@ -285,6 +285,8 @@ def test_at_least_three_named_sweeps():
         (["cluster.num_gpus=abc"], "cluster.num_gpus=abc"),
         (["hardware.hbm_tb_s=0"], "hardware.hbm_bandwidth_bytes_per_s must be > 0"),
         (["runner.kind=slurm"], "runner.kind='slurm' is not one of: local, ray"),
+        (["+plan.tpp=[2]"], "plan.tpp is not a plan option (known: tp, pp, cp"),
+        (["+foo=1"], "foo is not an option (top-level options: budget"),
     ],
 )
 def test_bad_overrides_exit_with_one_line(tmp_path, override, needle):

@@ -8,6 +8,7 @@ raising :class:`stage_dse.errors.ConfigError` with the field name on bad input.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,10 +209,27 @@ def _plain(node: Any) -> Any:
 
 
 def _spec(kind: str, factory, data: dict) -> Any:
+    if dataclasses.is_dataclass(factory):
+        known = [f.name for f in dataclasses.fields(factory) if f.init]
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            raise ConfigError(
+                f"{kind}.{unknown[0]} is not a {kind} option (known: {', '.join(known)})"
+            )
     try:
         return factory(**data)
     except TypeError as exc:
         raise ConfigError(f"{kind}: {exc}") from None
+
+
+def check_top_level(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not know (``+foo=1`` would otherwise be ignored silently)."""
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(k for k in cfg if k not in known and k != "hydra")
+    if unknown:
+        raise ConfigError(
+            f"{unknown[0]} is not an option (top-level options: {', '.join(sorted(known))})"
+        )
 
 
 def to_search_space(plan: dict) -> SearchSpace:

@@ -213,13 +213,14 @@ def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 
     from hydra.core.global_hydra import GlobalHydra
 
     from stage_dse.config.presets import conf_dir
-    from stage_dse.config.schema import register_schemas, to_sweep
+    from stage_dse.config.schema import check_top_level, register_schemas, to_sweep
     from stage_dse.cost.table import plan_row
 
     register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
+    check_top_level(cfg)
     if cfg.workload == "serving":
         return _serving_config_mode(cfg, out, steps)
     spec = to_sweep(cfg)
