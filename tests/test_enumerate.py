@@ -167,3 +167,14 @@ def test_config_hash_is_a_function_of_row_values_only():
     assert (config_hash(shuffled).to_numpy() == from_columns[order]).all()
     changed = table.assign(hidden=table["hidden"] + 1)
     assert not np.any(config_hash(changed).to_numpy() == from_columns)
+
+
+def test_a_space_with_no_dividing_degrees_counts_every_candidate_as_rejected():
+    m, hw = load_model("llama3_8b"), load_hardware("h100_sxm")
+    cluster = load_cluster("dgx_h100").replace(num_gpus=16)
+    space = SearchSpace(tp=(3,), pp=(5,), micro_batch_size=(1, 2))
+    e = enumerate_plans(m, TRAINING, hw, cluster, space)
+    expected, total = brute_force(m, TRAINING, 16, space)
+    assert e.candidates == total == 1 * 1 * 1 * 4 * 3 * 2 * 2 and not expected
+    assert e.valid == len(e.table) == 0
+    assert e.rejected == {"tp*pp*cp does not divide num_gpus(16)": total}

@@ -205,7 +205,7 @@ def rows_table(
 ) -> pa.Table:
     """Result rows of evaluated plans (``costs`` from :func:`cost_arrays`) as Arrow."""
     n = len(plans)
-    bad = (costs["mem_headroom_bytes"] < 0).astype(np.int32)
+    bad = (~(costs["mem_headroom_bytes"] >= 0)).astype(np.int32)  # as evaluate_batch: NaN fails
     zeros = np.zeros(n, dtype=np.int32)
     offsets = np.arange(0, 16 * (n + 1), 16, dtype=np.int32)
     arrays = []

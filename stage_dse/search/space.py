@@ -178,8 +178,7 @@ def enumerate_plans(
         "micro_batch": sorted(set(space.micro_batch_size)),
     }
     shape = tuple(len(v) for v in axes.values())
-    size = int(np.prod(shape))
-    per_triple = size // max(len(triples), 1)
+    per_triple = int(np.prod([len(v) for k, v in axes.items() if k != "triple"]))
     total = len(tps) * len(pps) * len(cps) * per_triple
     pre_rejected = (len(tps) * len(pps) * len(cps) - len(triples)) * per_triple
 
