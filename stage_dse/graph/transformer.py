@@ -269,7 +269,7 @@ class _Builder:
         output, partial over TP."""
         g = self.g
         Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
-        A, QL, KL, R = DIMS.heads, DIMS.q_lora, DIMS.kv_lora, DIMS.rope
+        A, QL, KL = DIMS.heads, DIMS.q_lora, DIMS.kv_lora
         Dq, Dn, Dv = DIMS.qk_dim, DIMS.nope_dim, DIMS.v_dim
         cq = g.einsum("q_a_proj", ln1g, self.w("q_a_proj.weight", [H, QL], [(), ()]), [Bt, Sq, QL])
         cq = self.norm("q_a_norm", cq)
@@ -279,15 +279,7 @@ class _Builder:
             "q_b_proj", cq, self.w("q_b_proj.weight", [QL, A, Dq], [(), (TP,), ()]), [Bt, Sq, A, Dq]
         )
         q = g.pointwise(ROPE, "q_rope", q)
-        ln1t = g.view(ln1g, [Bt, Tk, H])
-        ckv = g.einsum(
-            "kv_a_proj", ln1t, self.w("kv_a_proj.weight", [H, KL], [(), ()]), [Bt, Tk, KL]
-        )
-        kr = g.einsum(
-            "k_rope_proj", ln1t, self.w("k_rope_proj.weight", [H, R], [(), ()]), [Bt, Tk, R]
-        )
-        kr = g.pointwise(ROPE, "k_rope", kr)
-        ckv = self.norm("kv_a_norm", ckv)
+        ckv, kr = self.latent_kv(g.view(ln1g, [Bt, Tk, H]))
         if self.serving:  # prefill: attention runs decompressed, the cache keeps the latent
             self.latent_cache(ckv, kr)
         kn = g.einsum(
@@ -313,6 +305,17 @@ class _Builder:
                 ctx = g.einsum("context", probs, v, [Bt, Sq, A, Dv])
         wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
         return g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+
+    def latent_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """MLA's shared key/value side of ``x`` ([batch, positions, hidden], whole on every
+        tensor-parallel rank): the normalized kv latent and the rotary key."""
+        g = self.g
+        Bt, T, H = x.axes
+        KL, R = DIMS.kv_lora, DIMS.rope
+        ckv = g.einsum("kv_a_proj", x, self.w("kv_a_proj.weight", [H, KL], [(), ()]), [Bt, T, KL])
+        kr = g.einsum("k_rope_proj", x, self.w("k_rope_proj.weight", [H, R], [(), ()]), [Bt, T, R])
+        kr = g.pointwise(ROPE, "k_rope", kr)
+        return self.norm("kv_a_norm", ckv), kr
 
     def latent_cache(self, ckv: Tensor, kr: Tensor) -> Tensor:
         """Serving MLA: write the new positions' kv latent and rotary key into the cache, one
@@ -350,15 +353,7 @@ class _Builder:
             "q_b_proj.rope", cq, self.w("q_b_proj.rope_weight", [QL, A, R], heads), [Bt, Sq, A, R]
         )
         q_rope = g.pointwise(ROPE, "q_rope", q_rope)
-        ckv = g.einsum(
-            "kv_a_proj", ln1g, self.w("kv_a_proj.weight", [H, KL], [(), ()]), [Bt, Sq, KL]
-        )
-        kr = g.einsum(
-            "k_rope_proj", ln1g, self.w("k_rope_proj.weight", [H, R], [(), ()]), [Bt, Sq, R]
-        )
-        kr = g.pointwise(ROPE, "k_rope", kr)
-        ckv = self.norm("kv_a_norm", ckv)
-        cache = self.latent_cache(ckv, kr)
+        cache = self.latent_cache(*self.latent_kv(ln1g))
         wk = self.w("k_b_proj.weight", [KL, A, Dn], heads)
         q_lat = g.einsum("q_absorb", q_nope, wk, [Bt, Sq, A, KL])
         q = g.permute("q_concat", q_lat, [Bt, Sq, A, KC], q_lat.layout, weights=q_rope)
