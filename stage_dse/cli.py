@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> int:
         raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
     if cfg.runner.batch_size <= 0:
         raise StageDseError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
-    store = ResultStore(Path(cfg.results_dir) / spec.name)
+    store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     executor = make_executor(cfg.runner.kind, cfg.runner.address, cfg.runner.num_cpus)
     try:
         if cfg.search.kind == "optuna":
@@ -108,7 +108,7 @@ def _run_serving(cfg: DictConfig) -> int:
     from stage_dse.runner.serving import run_serving, serving_top_table
 
     spec = to_serving_sweep(cfg)
-    store = ResultStore(Path(cfg.results_dir) / spec.name)
+    store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     report = run_serving(spec, store)
     df = store.read()
     _print_outcomes(store, df, report, "configurations rejected, by rule:")

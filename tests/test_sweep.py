@@ -164,6 +164,34 @@ def test_resume_refuses_rows_hashed_by_another_scheme(tmp_path):
     assert store.parts() == [part]
 
 
+def test_rows_of_another_cost_model_are_refused_or_replaced(tmp_path):
+    """Parts record the cost model that evaluated them: resuming over rows of another version
+    stops (they would sit beside new numbers); replace_stale deletes those parts and evaluates
+    their configurations again, with no duplicate and no row of the old model left."""
+    import pyarrow.parquet as pq
+
+    from stage_dse.cost.compile import model_digest
+    from stage_dse.errors import StageDseError
+
+    spec = small_spec(gpus=(16, 32))
+    store = ResultStore(tmp_path / "s")
+    first = run_grid(spec, LocalExecutor(), store, batch_size=400, progress=False)
+    parts = store.parts()
+    old = parts[0]
+    table = pq.read_table(old)
+    meta = {**table.schema.metadata, b"stage_dse.cost_model": b"0123456789abcdef"}
+    pq.write_table(table.replace_schema_metadata(meta), old)
+    with pytest.raises(StageDseError, match=r"cost model 0123456789abcdef.*replace_stale=true"):
+        run_grid(spec, LocalExecutor(), store, progress=False)
+    fresh = ResultStore(tmp_path / "s", replace_stale=True)
+    again = run_grid(spec, LocalExecutor(), fresh, batch_size=400, progress=False)
+    assert again.evaluated == len(table) and again.skipped == first.valid - len(table)
+    df = load(store.root)
+    assert len(df) == first.valid and df["config_hash"].is_unique
+    digests = {pq.read_schema(p).metadata[b"stage_dse.cost_model"] for p in store.parts()}
+    assert digests == {model_digest().encode()} and old not in store.parts()
+
+
 def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(tmp_path):
     args = [
         sys.executable,

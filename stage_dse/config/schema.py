@@ -183,6 +183,9 @@ class Config:
     """training (plan search over a training step) or serving (prefill/decode of a model)."""
     sweep_name: str = "default"
     results_dir: str = "results"
+    replace_stale: bool = False
+    """Delete result parts written by another hash scheme or cost model and evaluate their
+    configurations again (default: refuse to resume over them)."""
     num_gpus: list[int] = field(default_factory=lambda: [64])
     top_k: int = 10
     mode: str = "sweep"

@@ -86,6 +86,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("STAGE_DSE_CACHE") or Path.home() / ".cache" / "stage_dse")
 
 
+def model_digest() -> str:
+    """Short content hash of the cost model (graph and cost code): results record it, so rows
+    evaluated by another version are recognised."""
+    return _source_digest()[:16]
+
+
 @lru_cache(maxsize=1)
 def _source_digest() -> str:
     """Content hash of the code that derives and compiles costs (changes invalidate caches)."""

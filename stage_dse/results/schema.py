@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from stage_dse.cost.compile import SYMBOL_NAMES
+from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
 from stage_dse.cost.derive import EMBEDDING_GROUP
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 
@@ -138,7 +138,12 @@ HASH_SCHEME = "2"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
 whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
 HASH_SCHEME_KEY = b"stage_dse.hash_scheme"
-RESULT_SCHEMA = pa.schema(_fields, metadata={HASH_SCHEME_KEY: HASH_SCHEME.encode()})
+MODEL_DIGEST_KEY = b"stage_dse.cost_model"
+"""Part metadata: :func:`stage_dse.cost.compile.model_digest` of the code that evaluated it."""
+RESULT_SCHEMA = pa.schema(
+    _fields,
+    metadata={HASH_SCHEME_KEY: HASH_SCHEME.encode(), MODEL_DIGEST_KEY: model_digest().encode()},
+)
 """Arrow schema of every part file of a results dataset."""
 
 

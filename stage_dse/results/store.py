@@ -19,10 +19,12 @@ import pyarrow.compute
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from stage_dse.cost.compile import model_digest
 from stage_dse.errors import StageDseError
 from stage_dse.results.schema import (
     HASH_SCHEME,
     HASH_SCHEME_KEY,
+    MODEL_DIGEST_KEY,
     RESULT_SCHEMA,
     empty_results,
 )
@@ -46,15 +48,45 @@ def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA
 
 
 class ResultStore:
-    """One sweep's dataset folder."""
+    """One sweep's dataset folder.
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    A resumed sweep skips the configurations already stored, so every part must come from the
+    same hash scheme and cost model as this code (recorded in each part's metadata). Parts that
+    do not are refused, or, with ``replace_stale``, deleted when the sweep starts so that their
+    configurations are evaluated again (never kept beside their new rows).
+    """
+
+    def __init__(self, root: str | os.PathLike, replace_stale: bool = False) -> None:
         self.root = Path(root)
+        self.replace_stale = replace_stale
 
-    def prepare(self) -> None:
+    def prepare(self) -> int:
+        """Create the folder, remove leftover temporaries and, with ``replace_stale``, the
+        parts of another hash scheme or cost model; returns how many parts were removed."""
         self.root.mkdir(parents=True, exist_ok=True)
         for tmp in self.root.glob(".tmp-*"):
             tmp.unlink(missing_ok=True)
+        if not self.replace_stale:
+            return 0
+        stale = [part for part, why in self._provenance() if why]
+        for part in stale:
+            part.unlink()
+        return len(stale)
+
+    def _provenance(self) -> list[tuple[Path, str]]:
+        """Each part with why it cannot be resumed from ("" when it can)."""
+        out = []
+        for part in self.parts():
+            meta = pq.read_schema(part).metadata or {}
+            scheme = meta.get(HASH_SCHEME_KEY, b"1").decode()
+            model = meta.get(MODEL_DIGEST_KEY, b"unknown").decode()
+            why = ""
+            if scheme != HASH_SCHEME:
+                why = f"hash scheme {scheme}, this one uses {HASH_SCHEME}"
+            elif model != model_digest():
+                why = f"cost model {model}, this one is {model_digest()}"
+            out.append((part, why))
+        return out
 
     def parts(self) -> list[Path]:
         return sorted(self.root.glob(PART_GLOB)) if self.root.is_dir() else []
@@ -81,9 +113,8 @@ class ResultStore:
         keys = pa.array(list(values), type=pa.string())
         for part in self.parts():
             stored = pq.read_schema(part).metadata or {}
-            schema = RESULT_SCHEMA.with_metadata(  # the part keeps its own hash scheme
-                {HASH_SCHEME_KEY: stored.get(HASH_SCHEME_KEY, b"1")}
-            )
+            own = {k: v for k, v in stored.items() if k in (HASH_SCHEME_KEY, MODEL_DIGEST_KEY)}
+            schema = RESULT_SCHEMA.with_metadata(own)  # the part keeps its provenance
             table = pq.read_table(part, schema=RESULT_SCHEMA)
             hashes = table.column("config_hash")
             hit = pa.compute.is_in(hashes, value_set=keys)
@@ -112,14 +143,12 @@ class ResultStore:
         parts = self.parts()
         if not parts:
             return set()
-        for part in parts:
-            meta = pq.read_schema(part).metadata or {}
-            scheme = meta.get(HASH_SCHEME_KEY, b"1").decode()
-            if scheme != HASH_SCHEME:
+        for part, why in self._provenance():
+            if why:
                 raise StageDseError(
-                    f"{self.root} holds rows hashed by another stage_dse version (hash scheme "
-                    f"{scheme}, this one uses {HASH_SCHEME}): resuming would store those plans "
-                    "twice; move the folder aside or choose another sweep_name"
+                    f"{self.root} holds rows from another stage_dse ({part.name}: {why}): "
+                    "resuming would keep them beside new results; rerun with "
+                    "replace_stale=true to evaluate them again, or choose another sweep_name"
                 )
         table = ds.dataset([str(p) for p in parts], format="parquet").to_table(
             columns=["config_hash"]

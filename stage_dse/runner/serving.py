@@ -56,7 +56,9 @@ def run_serving(
 ) -> SweepReport:
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
-    store.prepare()
+    replaced = store.prepare()
+    if replaced:
+        log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     model = spec.model
     tps = divisors(model.num_heads) if spec.tp == "auto" else list(spec.tp)
     rows, keys = [], []

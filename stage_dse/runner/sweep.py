@@ -163,7 +163,9 @@ def run_grid(
     """
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
-    store.prepare()
+    replaced = store.prepare()
+    if replaced:
+        log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     done = frozenset(store.hashes())
     blocks: list[Block] = []
     for model in spec.models:

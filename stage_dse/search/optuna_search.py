@@ -110,7 +110,9 @@ def run_optuna(
     if search.inter_gbit_s:
         axes["inter_gbit_s"] = sorted(float(x) for x in search.inter_gbit_s)
 
-    store.prepare()
+    replaced = store.prepare()
+    if replaced:
+        log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     storage = JournalStorage(JournalFileBackend(str(store.root / "_optuna.journal")))
     directions = ["minimize"] * len(objectives)
     sampler_kind = search.sampler if len(objectives) == 1 else "nsga2"
