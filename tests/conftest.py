@@ -17,6 +17,7 @@ os.environ["STAGE_DSE_CACHE"] = tempfile.mkdtemp(prefix="stage_dse_cache_")
 
 # GPT of Narayanan et al.: ffn = 4h, head_dim = h / a, MHA, learned positions of length s
 GPT_SUBS = {
+    S.gemm_bytes: 2,  # bf16 GEMM inputs
     S.ffn: 4 * S.hidden,
     S.head_dim: S.hidden / S.heads,
     S.kv_heads: S.heads,

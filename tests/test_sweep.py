@@ -159,7 +159,9 @@ def test_resume_refuses_rows_hashed_by_another_scheme(tmp_path):
     h = table.column("config_hash")[0].as_py()
     assert store.set_column("trace_dir", {h: "x"}) == 1
     assert pq.read_schema(part).metadata[b"stage_dse.hash_scheme"] == b"1"
-    with pytest.raises(StageDseError, match=r"hash scheme 1, this one uses 2.*sweep_name"):
+    from stage_dse.results.schema import HASH_SCHEME
+
+    with pytest.raises(StageDseError, match=rf"hash scheme 1, this one uses {HASH_SCHEME}.*name"):
         run_grid(spec, LocalExecutor(), store, progress=False)
     assert store.parts() == [part]
 

@@ -56,6 +56,8 @@ class ModelConf:
 class HardwareConf:
     name: str = MISSING
     peak_bf16_tflops: float = MISSING
+    peak_fp8_tflops: float = 0.0
+    """Dense FP8 tensor-core peak (0: none)."""
     hbm_gib: float = MISSING
     hbm_tb_s: float = MISSING
     memory_reserve_gib: float = 2.0
@@ -90,6 +92,8 @@ class TrainingConf:
     master_dtype: str = "fp32"
     optimizer: str = "adam"
     optimizer_state_dtype: str = "fp32"
+    gemm_dtype: str = "bf16"
+    """bf16 or fp8: precision of the linear layers' GEMMs and of the activations they keep."""
 
 
 @dataclass

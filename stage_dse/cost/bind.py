@@ -21,6 +21,7 @@ from stage_dse.spec import (
     ModelSpec,
     ParallelPlan,
     TrainingSpec,
+    check_gemm_dtype,
     validate_plan,
 )
 
@@ -41,6 +42,7 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         "positions": model.max_positions or training.seq_len,
         **moe_values(model),
         "global_batch": training.global_batch_size,
+        "gemm_bytes": training.gemm_dtype.bytes,
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
@@ -82,6 +84,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
     """Values of the hardware and network symbols (base units)."""
     return {
         "peak_flops": hardware.peak_flops,
+        "peak_fp8_flops": hardware.peak_fp8_flops,
         "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
         "gemm_efficiency": hardware.gemm_efficiency,
         "gemm_half_dim": hardware.gemm_half_dim,
@@ -124,6 +127,7 @@ def evaluate_plan(
     values = bind(model, training, plan)
     if hardware is not None and cluster is not None:
         check_fits_cluster(plan, cluster)
+        check_gemm_dtype(training, hardware)
         values.update(bind_hardware(hardware, cluster))
     else:
         values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))

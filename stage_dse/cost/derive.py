@@ -143,6 +143,35 @@ def kept_activations(graph: Graph, recompute: Recompute) -> list[Tensor]:
     return list(kept)
 
 
+def is_linear(op: Op) -> bool:
+    """A linear layer's GEMM: forward (a weight operand), input gradient (a weight operand) or
+    weight gradient (a weight-gradient output). These run in FP8 when ``gemm_bytes`` is 1."""
+    return op.kind is OpKind.EINSUM and (
+        any(t.role is Role.WEIGHT for t in op.inputs)
+        or any(t.role is Role.GRAD for t in op.outputs)
+    )
+
+
+def gemm_cached(graph: Graph) -> set[Tensor]:
+    """Activations kept for backward only by linear GEMMs: they are kept as the GEMMs' inputs,
+    in the GEMM input precision (``gemm_bytes``: one byte under FP8)."""
+    linear: set[Tensor] = set()
+    other: set[Tensor] = set()
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD:
+            for t in op.saved:
+                (linear if is_linear(op) else other).add(graph.gathered_source(t))
+    return linear - other
+
+
+def kept_bytes(graph: Graph, tensors: Iterable[Tensor]) -> sp.Expr:
+    """Bytes of kept activations (those only linear GEMMs keep at ``gemm_bytes`` each)."""
+    gemm_only = gemm_cached(graph)
+    return _sum(
+        [t.local_numel * S.gemm_bytes if t in gemm_only else t.local_bytes for t in tensors]
+    )
+
+
 def _ordered_saved(graph: Graph) -> list[Tensor]:
     out: dict[Tensor, None] = {}
     for op in graph.ops:
@@ -236,9 +265,9 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
 
     kept: dict[Recompute, sp.Expr] = {}
     working: dict[Recompute, sp.Expr] = {}
-    none_bytes = _sum([t.local_bytes for t in kept_activations(graph, Recompute.NONE)])
+    none_bytes = kept_bytes(graph, kept_activations(graph, Recompute.NONE))
     for mode in Recompute:
-        kept[mode] = _sum([t.local_bytes for t in kept_activations(graph, mode)])
+        kept[mode] = kept_bytes(graph, kept_activations(graph, mode))
         # while a layer is rerun, its dropped tensors exist again until its backward finishes
         working[mode] = none_bytes - kept[mode] if _is_block(graph) else sp.Integer(0)
 

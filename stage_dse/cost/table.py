@@ -35,6 +35,7 @@ from stage_dse.spec import (
     PositionKind,
     Recompute,
     TrainingSpec,
+    check_gemm_dtype,
     validate_plan,
 )
 
@@ -143,6 +144,7 @@ def plan_row(
     """Every column of one validated configuration."""
     validate_plan(model, training, plan)
     check_fits_cluster(plan, cluster)
+    check_gemm_dtype(training, hardware)
     row: dict[str, object] = {**model_columns(model, training), "hardware": hardware.name}
     row["cluster"] = cluster.name
     row.update(bind(model, training, plan))

@@ -12,7 +12,9 @@ Model, in order of the terms of ``time_step_s``:
   fused attention kernels use ``attention_efficiency``; everything else streams memory. Chains
   of element-wise kernels whose intermediate is neither saved nor reused are fused (their
   intermediate never reaches HBM), as Megatron-LM's fused bias-GeLU / bias-dropout-add /
-  scale-mask-softmax kernels do. Recomputed ops are rerun inside backward.
+  scale-mask-softmax kernels do. Recomputed ops are rerun inside backward. With FP8 GEMMs
+  (``gemm_bytes`` = 1) the linear layers' GEMMs (forward, input and weight gradients) use the
+  FP8 peak; attention stays 16-bit; MFU and HFU are against the peak of the GEMM precision.
 * **Collectives** (Thakur et al. 2005; NCCL): a group of ``n`` GPUs splits into ``n_in`` members
   per scale-up domain times ``n_out`` domains, which follows from the mesh rank order and
   ``gpus_per_node``. Ring all-reduce moves ``2(n-1)/n`` of the buffer, all-gather and
@@ -44,7 +46,7 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive
+from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive, is_linear
 from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
@@ -165,7 +167,10 @@ def _compute_time(op: Op) -> sp.Expr:
     if op.kind is OpKind.EINSUM:
         d = _gemm_min_dim(op)
         eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
-        return _max(op.flops / (S.peak_flops * eff), stream) + S.kernel_launch_s
+        peak = S.peak_flops
+        if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
+            peak = S.peak_flops + (2 - S.gemm_bytes) * (S.peak_fp8_flops - S.peak_flops)
+        return _max(op.flops / (peak * eff), stream) + S.kernel_launch_s
     if op.kind is OpKind.ATTENTION:
         eff = S.attention_efficiency
         return _max(op.flops / (S.peak_flops * eff), stream) + S.kernel_launch_s
@@ -399,8 +404,10 @@ def _derive_time(key: CostKey) -> Program:
     out["step_s"] = step
     gpus = S.dp * S.tp * S.pp * S.cp
     out["tokens_per_s"] = S.global_batch * S.seq / step
-    out["mfu"] = costs.flops["model"] / (step * gpus * S.peak_flops)
-    out["hfu"] = costs.flops["matmul"] / (step * gpus * S.peak_flops)
+    # against the dense peak of the GEMMs' precision (the FP8 peak when they run in FP8)
+    peak = S.peak_flops + (2 - S.gemm_bytes) * (S.peak_fp8_flops - S.peak_flops)
+    out["mfu"] = costs.flops["model"] / (step * gpus * peak)
+    out["hfu"] = costs.flops["matmul"] / (step * gpus * peak)
     out["achieved_flops_per_gpu"] = costs.flops["matmul"] / (step * gpus)
     # one transformer layer, one micro-batch, with its exposed tensor/context-parallel comm
     # (what Korthikanti et al. Table 4 reports)

@@ -60,6 +60,8 @@ class Symbols:
     """Serving: prompt tokens per sequence (the prefill length)."""
     output_tokens = _sym("output_tokens")
     """Serving: tokens generated per sequence."""
+    gemm_bytes = _sym("gemm_bytes")
+    """Bytes per element of the linear layers' GEMM inputs: 2 (bf16/fp16) or 1 (fp8)."""
     # parallel degrees
     dp = _sym("dp")
     tp = _sym("tp")
@@ -69,6 +71,7 @@ class Symbols:
     virtual_stages = _sym("virtual_stages")
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
+    peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
     hbm_bandwidth = _real("hbm_bandwidth")
     gemm_efficiency = _real("gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
@@ -96,6 +99,7 @@ S = Symbols
 
 HARDWARE_SYMBOLS = (
     "peak_flops",
+    "peak_fp8_flops",
     "hbm_bandwidth",
     "gemm_efficiency",
     "gemm_half_dim",

@@ -39,6 +39,7 @@ INT_CONFIG = {
     "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage", "param_bytes",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
+    "gemm_bytes",
 }  # fmt: skip
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
@@ -134,7 +135,7 @@ _fields += [
     pa.field("package_version", LABEL),
     pa.field("trace_dir", pa.string()),
 ]
-HASH_SCHEME = "2"
+HASH_SCHEME = "3"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
 whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
 HASH_SCHEME_KEY = b"stage_dse.hash_scheme"

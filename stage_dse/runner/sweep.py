@@ -27,7 +27,13 @@ from stage_dse.runner.evaluate import (
 )
 from stage_dse.runner.executors import Executor
 from stage_dse.search.space import SearchSpace, enumerate_plans
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
+from stage_dse.spec import (
+    ClusterSpec,
+    HardwareSpec,
+    ModelSpec,
+    TrainingSpec,
+    check_gemm_dtype,
+)
 
 __all__ = ["SweepReport", "SweepSpec", "build_table", "run_grid", "top_table"]
 
@@ -61,6 +67,8 @@ class SweepSpec:
                 raise ConfigError(
                     f"num_gpus({n}) is not a multiple of cluster.gpus_per_node({per_node})"
                 )
+        for hw in self.hardware:
+            check_gemm_dtype(self.training, hw)
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ConfigError(
                 f"budget.memory_gib must be > 0, got {self.memory_limit_bytes / GIB:g}"

@@ -13,7 +13,7 @@ from stage_dse.spec.plan import (
     Recompute,
     validate_plan,
 )
-from stage_dse.spec.training import DType, Optimizer, TrainingSpec
+from stage_dse.spec.training import DType, Optimizer, TrainingSpec, check_gemm_dtype
 
 __all__ = [
     "AttentionKernel",
@@ -30,5 +30,6 @@ __all__ = [
     "PositionKind",
     "Recompute",
     "TrainingSpec",
+    "check_gemm_dtype",
     "validate_plan",
 ]

@@ -37,6 +37,8 @@ class HardwareSpec:
     name: str
     peak_flops: float
     """Dense 16-bit (bf16/fp16) tensor-core peak, flop/s."""
+    peak_fp8_flops: float = 0.0
+    """Dense FP8 tensor-core peak, flop/s (0: no FP8 tensor cores)."""
     hbm_bytes: float
     """Device memory capacity, bytes."""
     hbm_bandwidth_bytes_per_s: float
@@ -56,7 +58,7 @@ class HardwareSpec:
             positive_number(owner, f, getattr(self, f))
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             _fraction(owner, f, getattr(self, f))
-        for f in ("memory_reserve_bytes", "kernel_launch_s"):
+        for f in ("memory_reserve_bytes", "kernel_launch_s", "peak_fp8_flops"):
             non_negative_number(owner, f, getattr(self, f))
         if self.memory_reserve_bytes >= self.hbm_bytes:
             raise ConfigError(

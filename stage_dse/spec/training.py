@@ -10,9 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
+from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import coerce_enum, positive_int
 
-__all__ = ["DType", "Optimizer", "TrainingSpec"]
+__all__ = ["DType", "Optimizer", "TrainingSpec", "check_gemm_dtype"]
 
 
 class DType(StrEnum):
@@ -53,16 +54,34 @@ class TrainingSpec:
     """Optimizer's master copy of the weights."""
     optimizer: Optimizer = Optimizer.ADAM
     optimizer_state_dtype: DType = DType.FP32
+    gemm_dtype: DType = DType.BF16
+    """Inputs of the linear layers' GEMMs (forward, input and weight gradients). ``fp8`` runs
+    them on FP8 tensor cores and caches the activations they keep for backward in FP8
+    (Transformer Engine; DeepSeek-V3 technical report sec. 3.3); attention stays 16-bit."""
 
     def __post_init__(self) -> None:
         owner = "training"
+        if str(self.gemm_dtype) not in ("bf16", "fp16", "fp8"):
+            raise ConfigError(
+                f"training.gemm_dtype={str(self.gemm_dtype)!r} is not one of: bf16, fp16, fp8"
+            )
         positive_int(owner, "seq_len", self.seq_len)
         positive_int(owner, "global_batch_size", self.global_batch_size)
-        for field in ("params_dtype", "grads_dtype", "master_dtype", "optimizer_state_dtype"):
+        for field in (
+            "params_dtype",
+            "grads_dtype",
+            "master_dtype",
+            "optimizer_state_dtype",
+            "gemm_dtype",
+        ):
             object.__setattr__(self, field, coerce_enum(DType, owner, field, getattr(self, field)))
         object.__setattr__(
             self, "optimizer", coerce_enum(Optimizer, owner, "optimizer", self.optimizer)
         )
+
+    @property
+    def fp8_gemms(self) -> bool:
+        return self.gemm_dtype is DType.FP8
 
     @property
     def tokens_per_step(self) -> int:
@@ -78,3 +97,12 @@ class TrainingSpec:
 
     def replace(self, **changes: object) -> TrainingSpec:
         return dataclasses.replace(self, **changes)
+
+
+def check_gemm_dtype(training: TrainingSpec, hardware) -> None:
+    """FP8 GEMMs need FP8 tensor cores (``hardware.peak_fp8_flops`` > 0)."""
+    if training.fp8_gemms and hardware.peak_fp8_flops <= 0:
+        raise ConfigError(
+            f"training.gemm_dtype=fp8 needs FP8 tensor cores; hardware {hardware.name} has none "
+            "(its peak_fp8_tflops is 0): use gemm_dtype=bf16 or other hardware"
+        )

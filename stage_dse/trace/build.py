@@ -54,6 +54,7 @@ from stage_dse.spec import (
     ParallelPlan,
     PipelineSchedule,
     TrainingSpec,
+    check_gemm_dtype,
     validate_plan,
 )
 from stage_dse.trace import encode as enc
@@ -81,6 +82,7 @@ class TraceConfig:
 
     def __post_init__(self) -> None:
         validate_plan(self.model, self.training, self.plan)
+        check_gemm_dtype(self.training, self.hardware)
         if self.plan.num_gpus > self.cluster.num_gpus:
             raise ConfigError(
                 f"plan needs {self.plan.num_gpus} GPUs > cluster.num_gpus({self.cluster.num_gpus})"

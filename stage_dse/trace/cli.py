@@ -82,6 +82,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         params_dtype=DTYPE_OF_BYTES[int(row["param_bytes"])],
         grads_dtype=DTYPE_OF_BYTES[int(row["grad_bytes"])],
         optimizer="adam" if opt_bytes == 12 else "sgd_momentum",
+        gemm_dtype="fp8" if int(row["gemm_bytes"]) == 1 else "bf16",
     )
     plan = ParallelPlan(
         dp=int(row["dp"]),
@@ -105,6 +106,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
     hardware = HardwareSpec(
         name=str(row["hardware"]),
         peak_flops=float(row["peak_flops"]),
+        peak_fp8_flops=float(row["peak_fp8_flops"]),
         hbm_bytes=float(row["usable_memory"]) + 1.0,
         hbm_bandwidth_bytes_per_s=float(row["hbm_bandwidth"]),
         memory_reserve_bytes=1.0,

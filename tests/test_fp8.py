@@ -1,0 +1,111 @@
+"""FP8 GEMMs: linear layers on FP8 tensor cores, their kept inputs cached in one byte."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+from conftest import gpt
+
+from stage_dse.config import load_cluster, load_hardware
+from stage_dse.cost.bind import bind, bind_hardware, evaluate_plan
+from stage_dse.cost.derive import cost_key
+from stage_dse.cost.time import section_time
+from stage_dse.errors import ConfigError
+from stage_dse.graph import build_graphs
+from stage_dse.graph.symbols import Symbols
+from stage_dse.results import ResultStore, load
+from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
+from stage_dse.search import SearchSpace
+from stage_dse.spec import ParallelPlan, TrainingSpec
+
+H100 = load_hardware("h100_sxm")
+S_, B_, H_, L_ = 2048, 2, 1024, 4
+
+
+def training(gemm: str) -> TrainingSpec:
+    return TrainingSpec(seq_len=S_, global_batch_size=B_, gemm_dtype=gemm)
+
+
+@pytest.mark.parametrize(("attention", "per_layer"), [("flash", 6), ("materialized", 7)])
+def test_fp8_caches_exactly_the_inputs_only_linear_layers_keep(attention, per_layer):
+    """Korthikanti et al. Table 2's tensors that only a linear layer keeps: the QKV input
+    (sbh), the MLP input (sbh) and the GeLU output feeding fc2 (4sbh), plus the attention
+    output under the unfused kernel, where only o_proj keeps it (flash keeps it too); and the
+    final norm output the logits GEMM keeps. Each drops from two bytes to one per element."""
+    plan = ParallelPlan(dp=1, micro_batch_size=B_, attention=attention)
+    got = {
+        g: evaluate_plan(gpt(layers=L_, hidden=H_, heads=16), training(g), plan)
+        for g in ("bf16", "fp8")
+    }
+    saved = got["bf16"]["mem_activations"] - got["fp8"]["mem_activations"]
+    assert saved == (per_layer * L_ + 1) * S_ * B_ * H_
+    for k in ("params_total", "flops_model", "mem_weights", "mem_optimizer"):
+        assert got["bf16"][k] == got["fp8"][k]
+
+
+def test_fp8_halves_the_time_of_compute_bound_linear_gemms_only():
+    """On FP8 tensor cores at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s, made exactly 2x
+    here), every linear GEMM of a layer that is compute bound takes half the time; attention and
+    element-wise kernels do not change."""
+    model = gpt(layers=4, hidden=8192, heads=64)
+    plan = ParallelPlan(dp=1, micro_batch_size=1)
+    key = cost_key(model, plan, training("fp8"))
+    st = section_time(build_graphs(model, plan, training("fp8")).block, key)
+    cl = load_cluster("dgx_h100", num_gpus=1)
+
+    hw = dataclasses.replace(H100, peak_fp8_flops=2 * H100.peak_flops)
+
+    def num(expr, gemm):
+        values = {**bind(model, training(gemm), plan), **bind_hardware(hw, cl)}
+        return float(expr.xreplace({Symbols.all()[k]: v for k, v in values.items()}))
+
+    assert num(st.gemm, "fp8") == pytest.approx(num(st.gemm, "bf16") / 2, rel=1e-12)
+    layer = st.fwd + st.bwd
+    assert num(layer, "bf16") - num(layer, "fp8") == pytest.approx(
+        num(st.gemm, "bf16") / 2, rel=1e-9
+    )
+    assert num(st.attention, "fp8") == num(st.attention, "bf16")
+
+
+def test_fp8_needs_fp8_tensor_cores():
+    a100 = load_hardware("a100_80gb")
+    with pytest.raises(ConfigError, match="gemm_dtype=fp8 needs FP8 tensor cores; hardware a100"):
+        evaluate_plan(
+            gpt(), training("fp8").replace(global_batch_size=64), ParallelPlan(dp=8), hardware=a100,
+            cluster=load_cluster("dgx_a100", num_gpus=8),
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"training\.gemm_dtype='fp32' is not one of"):
+        TrainingSpec(seq_len=2048, global_batch_size=8, gemm_dtype="fp32")
+
+
+def test_fp8_rows_are_distinct_configurations_in_a_sweep(tmp_path):
+    def spec(gemm: str) -> SweepSpec:
+        return SweepSpec(
+            name="fp8",
+            models=(gpt(layers=4, hidden=1024, heads=16),),
+            training=TrainingSpec(seq_len=2048, global_batch_size=32, gemm_dtype=gemm),
+            hardware=(H100,),
+            cluster=load_cluster("dgx_h100"),
+            gpu_counts=(8,),
+            space=SearchSpace(micro_batch_size=(1, 2), zero_stage=(1,)),
+        )
+
+    store = ResultStore(tmp_path / "fp8")
+    a = run_grid(spec("bf16"), LocalExecutor(), store, progress=False)
+    b = run_grid(spec("fp8"), LocalExecutor(), store, progress=False)
+    df = load(store.root)
+    assert a.evaluated == b.evaluated == len(df) / 2 and df["config_hash"].is_unique
+    ok = df[df.status == "ok"]
+    by = ok.pivot_table(index=["dp", "tp", "pp", "micro_batch", "recompute"], columns="gemm_bytes",
+                        values="step_s")  # fmt: skip
+    assert isinstance(by, pd.DataFrame) and len(by) and (by[1] < by[2]).all()
+
+
+def test_mfu_is_measured_against_the_peak_of_the_gemm_precision():
+    model, plan = gpt(layers=4, hidden=2048, heads=16), ParallelPlan(dp=8)
+    t = TrainingSpec(seq_len=2048, global_batch_size=64, gemm_dtype="fp8")
+    r = evaluate_plan(model, t, plan, hardware=H100, cluster=load_cluster("dgx_h100", num_gpus=8))
+    per_gpu = r["flops_model"] / (r["time_step_s"] * 8)
+    assert r["mfu"] == pytest.approx(per_gpu / H100.peak_fp8_flops, rel=1e-12)
