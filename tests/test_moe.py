@@ -190,6 +190,24 @@ def test_latent_attention_rotary_key_gradient_is_reduced_over_tensor_parallel_ra
     assert float(rope[0].comm_bytes.xreplace(subs)) == 2 * 4096 * model.rope_head_dim * 2
 
 
+def test_ep_comm_overlap_hides_all_to_alls_behind_compute():
+    """With ep_comm_overlap (DualPipe-style pairing of micro-batches) only the all-to-all time
+    beyond the compute it runs under stays exposed; nothing else changes."""
+    model = load_model("mixtral_8x7b")
+    t = TrainingSpec(seq_len=4096, global_batch_size=64)
+    cl = load_cluster("dgx_h100", num_gpus=64)
+    plans = {ov: ParallelPlan(dp=64, ep=8, zero_stage=1, ep_comm_overlap=bool(ov)) for ov in (0, 1)}
+    got = {ov: evaluate_plan(model, t, p, hardware=H100, cluster=cl) for ov, p in plans.items()}
+    off, on = got[0], got[1]
+    assert off["time_ep_comm_s"] > 0
+    expected = max(0.0, off["time_ep_comm_s"] - off["time_compute_s"])
+    assert on["time_ep_comm_s"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert on["time_compute_s"] == off["time_compute_s"]
+    assert on["time_step_s"] == pytest.approx(
+        off["time_step_s"] - (off["time_ep_comm_s"] - on["time_ep_comm_s"]), rel=1e-9
+    )
+
+
 def test_deepseek_v3_published_layout_fits():
     """DeepSeek-V3 was trained with PP 16, EP 64 on 2048 H800s (report sec. 3.2). It cached
     more activations in FP8 than the linear-layer inputs modelled here and recomputed norms and

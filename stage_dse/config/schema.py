@@ -116,6 +116,7 @@ class PlanConf:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
 
 
 @dataclass

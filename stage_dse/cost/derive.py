@@ -338,6 +338,7 @@ class CostKey:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
 
 
 def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
@@ -349,6 +350,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
         tp_comm_overlap=plan.tp_comm_overlap,
+        ep_comm_overlap=plan.ep_comm_overlap,
     )
 
 

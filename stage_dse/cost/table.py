@@ -74,6 +74,7 @@ PLAN_KEY_COLUMNS = (
     "overlap_grad_reduce",
     "overlap_param_gather",
     "tp_comm_overlap",
+    "ep_comm_overlap",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -109,6 +110,7 @@ def key_from_values(v: dict) -> CostKey:
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
         overlap_param_gather=bool(v["overlap_param_gather"]),
         tp_comm_overlap=bool(v["tp_comm_overlap"]),
+        ep_comm_overlap=bool(v["ep_comm_overlap"]),
     )
 
 
@@ -162,6 +164,7 @@ def plan_row(
             "overlap_grad_reduce": plan.overlap_grad_reduce,
             "overlap_param_gather": plan.overlap_param_gather,
             "tp_comm_overlap": plan.tp_comm_overlap,
+            "ep_comm_overlap": plan.ep_comm_overlap,
         }
     )
     return row

@@ -24,7 +24,9 @@ Model, in order of the terms of ``time_step_s``:
   tree steps (log2) for all-reduce across domains, ring steps for gathers. Groups spanning more
   than ``pod_gpus`` see the scale-out bandwidth divided by ``oversubscription``.
 * **Exposure.** Tensor-parallel collectives and the expert-parallel all-to-alls sit on the
-  critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``); the
+  critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``, all-to-alls
+  behind another micro-batch's compute with ``ep_comm_overlap``, as DeepSeek-V3's DualPipe
+  pairs a forward and a backward chunk); the
   context-parallel ring hides behind attention compute; ZeRO-3
   gathers and ZeRO-2/3 reduce-scatters prefetch behind the micro-batch's compute; pipeline
   send/recv is exposed, and so is the all-reduce of tied word-embedding gradients between the
@@ -333,12 +335,15 @@ def _derive_time(key: CostKey) -> Program:
         tp = tot("tp_comm")
         if key.tp_comm_overlap:
             tp = _max(0, tp - tot("gemm"))
+        ep = tot("ep_comm")
+        if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
+            ep = _max(0, ep - compute)
         return {
             "compute": compute,
             "fwd": fwd,
             "bwd": bwd,
             "tp": define(f"{label}_tp", tp),
-            "ep": define(f"{label}_ep", tot("ep_comm")),
+            "ep": define(f"{label}_ep", ep),
             "cp": define(f"{label}_cp", _max(0, tot("cp_comm") - tot("attention"))),
             "zero": define(f"{label}_zero", _max(0, tot("zero_comm") - compute)),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),

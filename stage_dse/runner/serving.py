@@ -107,6 +107,7 @@ def run_serving(
                 "overlap_grad_reduce": True,
                 "overlap_param_gather": True,
                 "tp_comm_overlap": False,
+                "ep_comm_overlap": False,
             }
         )
         rows.append(row)

@@ -81,6 +81,7 @@ class SearchSpace:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -258,6 +259,7 @@ def enumerate_plans(
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
         "tp_comm_overlap": space.tp_comm_overlap,
+        "ep_comm_overlap": space.ep_comm_overlap,
         "num_gpus": n,
         "dp": n // (t_tp * t_pp * t_cp),
         "tp": t_tp,

@@ -112,6 +112,9 @@ class ParallelPlan:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives are pipelined with the GEMMs that produce/consume them
     (Transformer Engine userbuffers); off, they sit on the critical path."""
+    ep_comm_overlap: bool = False
+    """Expert-parallel all-to-alls run under another micro-batch's compute (DeepSeek-V3's
+    DualPipe, sec. 3.2.1); off, they sit on the critical path."""
 
     def __post_init__(self) -> None:
         owner = "plan"
@@ -125,6 +128,7 @@ class ParallelPlan:
             "overlap_grad_reduce",
             "overlap_param_gather",
             "tp_comm_overlap",
+            "ep_comm_overlap",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
