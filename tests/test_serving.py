@@ -26,7 +26,7 @@ H100 = load_hardware("h100_sxm")
 def serve(model_name, plan, serving, hw=H100):
     model = load_model(model_name)
     key = serving_key(model, serving, plan)
-    like = TrainingSpec(seq_len=serving.prompt_len, global_batch_size=serving.batch_size)
+    like = serving.step_like(hw, replicas=plan.dp)
     cluster = load_cluster("dgx_h100", num_gpus=plan.num_gpus)
     row = {
         **bind(model, like, plan.replace(micro_batch_size=serving.batch_size)),
@@ -109,6 +109,24 @@ def test_prefill_working_set_is_the_peak_of_live_activations(tp):
     got = serve("llama3_8b", ParallelPlan(tp=tp), ServingSpec(prompt_len=1024, batch_size=2))
     h, f = 4096, 14336
     assert got["serve_working_bytes"] == 2 * 1024 * (h + 3 * f / tp) * 2
+
+
+def test_fp8_weights_run_fp8_gemms_where_the_hardware_has_them():
+    """FP8 weights on H100 compute on FP8 tensor cores (prefill is compute bound: TTFT nearly
+    halves); on A100 they are a storage format and GEMMs stay bf16 (TTFT barely moves)."""
+    a100 = load_hardware("a100_80gb")
+    ttft = {
+        (hw.name, w): serve(
+            "llama3_70b", ParallelPlan(tp=4), ServingSpec(prompt_len=4096, batch_size=8,
+                                                          weights_dtype=w), hw
+        )["serve_ttft_s"]
+        for hw in (H100, a100)
+        for w in ("bf16", "fp8")
+    }  # fmt: skip
+    assert ttft[("h100_sxm", "fp8")] < 0.6 * ttft[("h100_sxm", "bf16")]
+    assert 0.9 * ttft[("a100_80gb", "bf16")] < ttft[("a100_80gb", "fp8")]
+    assert ServingSpec(prompt_len=8, weights_dtype="fp8").step_like(a100).gemm_dtype == "bf16"
+    assert ServingSpec(prompt_len=8, weights_dtype="fp8").step_like(H100).gemm_dtype == "fp8"
 
 
 def test_fp8_cache_halves_the_kv_bytes():

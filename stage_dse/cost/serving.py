@@ -37,7 +37,7 @@ from stage_dse.cost.time import _compute_time, collective_time
 from stage_dse.graph.core import CollKind, Graph, OpKind, Phase, Role
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
-from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec, validate_serving
 
 __all__ = ["ServingKey", "evaluate_serving_table", "serving_key", "serving_program"]
@@ -52,11 +52,7 @@ class ServingKey:
 
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
     validate_serving(model, serving, plan)
-    like = TrainingSpec(
-        seq_len=serving.prompt_len,
-        global_batch_size=serving.batch_size,
-        params_dtype=serving.weights_dtype,
-    )
+    like = serving.step_like()
     return ServingKey(graph_key(model, plan, like), serving.kv_dtype.bytes, plan.rank_order)
 
 

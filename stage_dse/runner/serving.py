@@ -26,7 +26,7 @@ from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
 from stage_dse.search.space import divisors
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.serving import ServingSpec, serving_plan
 
 __all__ = ["ServingSweepSpec", "run_serving", "serving_top_table"]
@@ -80,11 +80,7 @@ def run_serving(
         except ConfigError as exc:
             report.rejected[_rule(str(exc))] += 1
             continue
-        like = TrainingSpec(
-            seq_len=prompt,
-            global_batch_size=batch * plan.dp,
-            params_dtype=serving.weights_dtype,
-        )
+        like = serving.step_like(hw, replicas=plan.dp)
         row = {**model_columns(model, like), "hardware": hw.name}
         row.update(bind(model, like, plan))
         row.update(bind_hardware(hw, cluster))

@@ -17,7 +17,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import coerce_enum, divides, positive_int
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import ParallelPlan
-from stage_dse.spec.training import DType
+from stage_dse.spec.training import DType, TrainingSpec
 
 __all__ = ["ServingSpec", "serving_plan", "validate_serving"]
 
@@ -48,6 +48,21 @@ class ServingSpec:
 
     def replace(self, **changes: object) -> ServingSpec:
         return dataclasses.replace(self, **changes)
+
+    def step_like(self, hardware=None, replicas: int = 1) -> TrainingSpec:
+        """The training-step view of a serving pass that symbols are bound from: the prompt as
+        the sequence, the batch of every attention replica as the global batch, the weights'
+        dtype for parameters, and FP8 GEMMs when the weights are FP8 and ``hardware`` has FP8
+        tensor cores (elsewhere FP8 weights are a storage format and GEMMs run in bf16)."""
+        fp8 = (
+            self.weights_dtype is DType.FP8 and hardware is not None and hardware.peak_fp8_flops > 0
+        )
+        return TrainingSpec(
+            seq_len=self.prompt_len,
+            global_batch_size=self.batch_size * replicas,
+            params_dtype=self.weights_dtype,
+            gemm_dtype=DType.FP8 if fp8 else DType.BF16,
+        )
 
 
 def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 1) -> ParallelPlan:

@@ -18,7 +18,7 @@ from stage_dse.cost.serving import serving_key
 from stage_dse.graph.core import Phase
 from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import build_serving_graphs
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec
 from stage_dse.trace.build import (
     StageTemplate,
@@ -59,7 +59,7 @@ def write_serving_trace(
 
     key = serving_key(model, serving, plan)
     graphs = build_serving_graphs(key.graph, "decode", key.kv_bytes)
-    like = TrainingSpec(seq_len=1, global_batch_size=serving.batch_size)
+    like = serving.step_like(hardware, replicas=plan.dp)
     values = {
         **bind(model, like, plan.replace(micro_batch_size=serving.batch_size)),
         **bind_hardware(hardware, cluster.replace(num_gpus=max(plan.num_gpus, 1))),
