@@ -42,6 +42,7 @@ from stage_dse.spec import (
 __all__ = [
     "KEY_COLUMNS",
     "PlanColumns",
+    "config_row",
     "evaluate_columns",
     "evaluate_table",
     "key_from_values",
@@ -147,6 +148,18 @@ def plan_row(
     validate_plan(model, training, plan)
     check_fits_cluster(plan, cluster)
     check_gemm_dtype(training, hardware)
+    return config_row(model, training, plan, hardware, cluster)
+
+
+def config_row(
+    model: ModelSpec,
+    training: TrainingSpec,
+    plan: ParallelPlan,
+    hardware: HardwareSpec,
+    cluster: ClusterSpec,
+) -> dict[str, object]:
+    """Every column of one configuration, without validating it (callers do: training plans
+    through :func:`plan_row`, serving plans through their own rules)."""
     row: dict[str, object] = {**model_columns(model, training), "hardware": hardware.name}
     row["cluster"] = cluster.name
     row.update(bind(model, training, plan))

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.serving import evaluate_serving_table, serving_key
-from stage_dse.cost.table import model_columns
+from stage_dse.cost.table import config_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import SERVING_COLUMNS, config_hash
 from stage_dse.results.store import ResultStore
@@ -81,29 +80,14 @@ def run_serving(
             report.rejected[_rule(str(exc))] += 1
             continue
         like = serving.step_like(hw, replicas=plan.dp)
-        row = {**model_columns(model, like), "hardware": hw.name}
-        row.update(bind(model, like, plan))
-        row.update(bind_hardware(hw, cluster))
+        row = config_row(model, like, plan, hw, cluster)
         row.update(
             {
                 "workload": "serving",
                 "kv_bytes": serving.kv_dtype.bytes,
-                "cluster": cluster.name,
-                "num_gpus": plan.num_gpus,
                 "prompt": prompt,
                 "output_tokens": spec.output_tokens,
                 "context": prompt,
-                "expert_tensor_parallel": plan.expert_tensor_parallel,
-                "sequence_parallel": False,
-                "attention": plan.attention.value,
-                "zero_stage": 0,
-                "recompute": "none",
-                "schedule": "1f1b",
-                "rank_order": "-".join(a.value for a in plan.rank_order),
-                "overlap_grad_reduce": True,
-                "overlap_param_gather": True,
-                "tp_comm_overlap": False,
-                "ep_comm_overlap": False,
             }
         )
         rows.append(row)
