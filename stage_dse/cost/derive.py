@@ -81,8 +81,7 @@ def embedding_sync_bytes(graphs: ModelGraphs, grad_bytes: int) -> sp.Expr:
     tied = graphs.tied_head_weight
     if tied is None:
         return sp.Integer(0)
-    compute_of = {stored: used for used, stored in graphs.head.weight_storage.items()}
-    return (1 - _is_one(S.pp)) * compute_of.get(tied, tied).local_numel * grad_bytes
+    return (1 - _is_one(S.pp)) * graphs.head.computed(tied).local_numel * grad_bytes
 
 
 def group_label(group: Iterable[MeshAxis]) -> str:
@@ -251,17 +250,16 @@ class SectionCosts:
 
 def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts:
     stored = list(graph.weights)
-    compute_of = {v: k for k, v in graph.weight_storage.items()}
     unique = [w for w in stored if w is not tied_copy]
     params = _sum([w.numel for w in unique])
     weights_numel = _sum([w.local_numel for w in stored])
-    mp_numel = _sum([compute_of.get(w, w).local_numel for w in stored])
+    mp_numel = _sum([graph.computed(w).local_numel for w in stored])
     # routed experts: the weights whose expert axis is split over EP (the router is replicated)
     experts = [
         w for w in stored if DIMS.experts in w.axes and MeshAxis.EP in w.split_of(DIMS.experts)
     ]
     expert_params = _sum([w.numel for w in experts])
-    expert_mp = _sum([compute_of.get(w, w).local_numel for w in experts])
+    expert_mp = _sum([graph.computed(w).local_numel for w in experts])
 
     kept: dict[Recompute, sp.Expr] = {}
     working: dict[Recompute, sp.Expr] = {}
@@ -443,9 +441,8 @@ def _derive(key: CostKey) -> TrainingCosts:
     head_unique_mp = head.model_parallel_numel
     if graphs.tied_head_weight is not None:
         tied = graphs.tied_head_weight
-        compute_of = {vv: kk for kk, vv in graphs.head.weight_storage.items()}
         head_unique_numel -= tied.local_numel
-        head_unique_mp -= compute_of.get(tied, tied).local_numel
+        head_unique_mp -= graphs.head.computed(tied).local_numel
 
     def states(parts, head_numel, head_mp) -> dict[str, sp.Expr]:
         pb, gb, ob = (

@@ -274,10 +274,12 @@ class Graph:
         self.block_input: Tensor | None = None
         self.loss: Tensor | None = None
         self.weight_storage: dict[Tensor, Tensor] = {}
+        """Compute-layout weight -> stored weight, when they differ (ZeRO-3)."""
+        self._computed: dict[Tensor, Tensor] = {}
+        """Stored weight -> compute-layout weight (the inverse of ``weight_storage``)."""
         self.grads: dict[Tensor, Tensor] = {}
         """Gradient of each forward tensor after :meth:`derive_backward` (may be partial)."""
         self.input_grad: dict[Tensor, Tensor] = {}
-        """Compute-layout weight -> stored weight, when they differ (ZeRO-3)."""
 
     # ------------------------------------------------------------------ recording
     def scope(self, scope: Scope) -> _Ctx:
@@ -331,7 +333,12 @@ class Graph:
         self.weights.append(stored)
         compute = self.redistribute(stored, w.layout)
         self.weight_storage[compute] = stored
+        self._computed[stored] = compute
         return compute
+
+    def computed(self, stored: Tensor) -> Tensor:
+        """A stored weight as ops use it: gathered to its compute layout under ZeRO-3."""
+        return self._computed.get(stored, stored)
 
     # ------------------------------------------------------------------ layouts
     def redistribute(
