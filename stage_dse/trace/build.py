@@ -124,13 +124,17 @@ class OpNumbers:
     micros: int
 
 
+def _values(cfg: TraceConfig) -> dict[str, float]:
+    """Every symbol's value for one trace configuration (model, step, plan, hardware)."""
+    return {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
+
+
+def _subs(values: dict[str, float]) -> dict[sp.Symbol, float]:
+    return {Symbols.all()[k]: v for k, v in values.items()}
+
+
 def _numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
-    if values is None:
-        values = {
-            **bind(cfg.model, cfg.training, cfg.plan),
-            **bind_hardware(cfg.hardware, cfg.cluster),
-        }
-    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    subs = _subs(_values(cfg) if values is None else values)
     order = cfg.plan.rank_order
     exprs = []
     for op in ops:
@@ -510,17 +514,14 @@ def _embedding_sync(cfg: TraceConfig, graphs) -> tuple[int, int] | None:
         return None
     size = embedding_sync_bytes(graphs, cfg.training.grads_dtype.bytes)
     seconds = embedding_sync_time(size, cfg.plan.rank_order)
-    values = {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
-    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    subs = _subs(_values(cfg))
     size_bytes = float(sp.sympify(size).xreplace(subs))
     micros = float(sp.sympify(seconds).xreplace(subs)) * 1e6
     return round(size_bytes), max(1, round(micros))
 
 
 def numbers_boundary(cfg: TraceConfig, graphs) -> int:
-    values = {**bind(cfg.model, cfg.training, cfg.plan)}
-    subs = {Symbols.all()[k]: v for k, v in values.items()}
-    return int(graphs.boundary.local_bytes.xreplace(subs))
+    return int(graphs.boundary.local_bytes.xreplace(_subs(_values(cfg))))
 
 
 # --------------------------------------------------------------------------- stamping
@@ -695,8 +696,7 @@ def analytic_flops(cfg: TraceConfig) -> int:
 
     graphs = build_graphs(cfg.model, cfg.plan, cfg.training)
     mode = cfg.plan.recompute
-    values = bind(cfg.model, cfg.training, cfg.plan)
-    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    subs = _subs(_values(cfg))
 
     def num(e) -> float:
         return float(sp.sympify(e).xreplace(subs))

@@ -16,7 +16,6 @@ from stage_dse import __version__
 from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.serving import serving_key
 from stage_dse.graph.core import Phase
-from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import build_serving_graphs
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec
@@ -27,6 +26,7 @@ from stage_dse.trace.build import (
     _emit_ops,
     _numbers,
     _Program,
+    _subs,
     layer_runs,
     stage_layers,
     write_all_ranks,
@@ -73,7 +73,7 @@ def write_serving_trace(
     numbers = _numbers(cfg, ops, values)
     consumed = {g: _consumed(g) for g in graphs.sections}
     layers = stage_layers(model.num_layers, plan.pp)
-    subs = {Symbols.all()[k]: v for k, v in values.items()}
+    subs = _subs(values)
 
     def stage_sections(s: int) -> list:
         sections = [(graphs.embed, 1)] if s == 0 else []
