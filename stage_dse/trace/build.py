@@ -616,6 +616,32 @@ class TraceSet:
     worker_peak_rss_mib: float = 0.0
 
 
+def group_id_warnings(mesh: Mesh) -> list[str]:
+    if mesh.num_group_ids <= ASTRA_SIM_MAX_GROUP_ID:
+        return []
+    return [
+        f"{mesh.num_group_ids} communicator groups: ids above {ASTRA_SIM_MAX_GROUP_ID} "
+        "overflow a known simulator (group id x 10^6 in a 32-bit int)"
+    ]
+
+
+def set_counts(
+    mesh: Mesh, templates: list[StageTemplate], prefix: str, files: int, total_bytes: int
+) -> dict[str, object]:
+    """The manifest's sizes of a written trace set (every rank of a stage runs its template)."""
+    ranks_per_stage = mesh.world // len(templates)
+    return {
+        "ranks": mesh.world,
+        "file_prefix": prefix,
+        "files": files,
+        "total_bytes": total_bytes,
+        "comm_groups": mesh.num_group_ids,
+        "nodes_per_stage": [dict(t.nodes) for t in templates],
+        "total_nodes": sum(sum(t.nodes.values()) * ranks_per_stage for t in templates),
+        "comp_flops_total": sum(t.flops * ranks_per_stage for t in templates),
+    }
+
+
 def write_trace_set(
     cfg: TraceConfig,
     out: str | os.PathLike,
@@ -633,20 +659,13 @@ def write_trace_set(
     problems = check_templates(templates, mesh)
     if problems:
         raise ConfigError("trace templates failed their checks: " + "; ".join(problems[:5]))
-    warnings = []
-    if mesh.num_group_ids > ASTRA_SIM_MAX_GROUP_ID:
-        warnings.append(
-            f"{mesh.num_group_ids} communicator groups: ids above {ASTRA_SIM_MAX_GROUP_ID} "
-            "overflow a known simulator (group id x 10^6 in a 32-bit int)"
-        )
+    warnings = group_id_warnings(mesh)
     groups = mesh.groups_json()
     (out / "comm_groups.json").write_text(json.dumps(groups))
     total_bytes, files, worker_cpu, worker_rss = write_all_ranks(
         out, prefix, mesh, templates, executor, ranks_per_task
     )
     pp_stride = mesh.stride[MeshAxis.PP]
-    ranks_per_stage = mesh.world // cfg.plan.pp
-    comp_flops = sum(t.flops * ranks_per_stage for t in templates)
     manifest = {
         "stage_dse_version": __version__,
         "config_hash": config_hash,
@@ -663,14 +682,7 @@ def write_trace_set(
         },
         "hardware": cfg.hardware.name,
         "cluster": cfg.cluster.name,
-        "ranks": mesh.world,
-        "file_prefix": prefix,
-        "files": files,
-        "total_bytes": total_bytes,
-        "comm_groups": mesh.num_group_ids,
-        "nodes_per_stage": [dict(t.nodes) for t in templates],
-        "total_nodes": sum(sum(t.nodes.values()) * ranks_per_stage for t in templates),
-        "comp_flops_total": comp_flops,
+        **set_counts(mesh, templates, prefix, files, total_bytes),
         "analytic_flops_total": analytic_flops(cfg),
         "pp_stride": pp_stride,
         "warnings": warnings,

@@ -27,11 +27,13 @@ from stage_dse.trace.build import (
     _numbers,
     _Program,
     _subs,
+    group_id_warnings,
     layer_runs,
+    set_counts,
     stage_layers,
     write_all_ranks,
 )
-from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, Mesh
+from stage_dse.trace.mesh import Mesh
 
 __all__ = ["write_serving_trace"]
 
@@ -129,14 +131,12 @@ def write_serving_trace(
                 if op.phase is Phase.FORWARD and not op.is_comm
             )
             flops_expected += count * f * steps * ranks_per_stage
-    warnings = []
-    if mesh.num_group_ids > ASTRA_SIM_MAX_GROUP_ID:
-        warnings.append(f"{mesh.num_group_ids} communicator groups exceed {ASTRA_SIM_MAX_GROUP_ID}")
+    warnings = group_id_warnings(mesh)
     manifest = {
         "stage_dse_version": __version__,
         "workload": "serving (decode)",
         "model": model.name,
-        "plan": {"tp": plan.tp, "pp": plan.pp},
+        "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "dp": plan.dp},
         "serving": {
             "prompt_len": serving.prompt_len,
             "output_tokens": serving.output_tokens,
@@ -145,14 +145,7 @@ def write_serving_trace(
         },
         "decode_steps": steps,
         "hardware": hardware.name,
-        "ranks": mesh.world,
-        "file_prefix": prefix,
-        "files": files,
-        "total_bytes": total,
-        "comm_groups": mesh.num_group_ids,
-        "nodes_per_stage": [dict(t.nodes) for t in templates],
-        "total_nodes": sum(sum(t.nodes.values()) * ranks_per_stage for t in templates),
-        "comp_flops_total": sum(t.flops * ranks_per_stage for t in templates),
+        **set_counts(mesh, templates, prefix, files, total),
         "analytic_flops_total": round(flops_expected),
         "send_recv_tags": "2 * step: activations; 2 * step + 1: sampled tokens (last to first)",
         "warnings": warnings,
