@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from stage_dse.cost.bind import evaluate_plan
 from stage_dse.errors import ConfigError
 from stage_dse.graph import CollKind, build_graphs
-from stage_dse.graph.core import _degree
+from stage_dse.graph.ir import degree
 from stage_dse.spec import ParallelPlan, TrainingSpec, validate_plan
 
 TRAIN = TrainingSpec(seq_len=4096, global_batch_size=256)
@@ -74,10 +74,10 @@ def test_collectives_span_exactly_the_axes_they_change(plan, family):
             elif op.coll is CollKind.REDUCE_SCATTER:
                 assert op.group <= x.partial
                 assert y.split_mesh_axes - x.split_mesh_axes == op.group
-                assert same(op.comm_bytes, y.local_bytes * _degree(op.group))
+                assert same(op.comm_bytes, y.local_bytes * degree(op.group))
             elif op.coll is CollKind.ALL_GATHER:
                 assert x.split_mesh_axes - y.split_mesh_axes == op.group
-                assert same(op.comm_bytes, x.local_bytes * _degree(op.group))
+                assert same(op.comm_bytes, x.local_bytes * degree(op.group))
             elif op.coll is CollKind.SLICE:
                 assert y.split_mesh_axes - x.split_mesh_axes == op.group
                 assert op.comm_bytes == 0

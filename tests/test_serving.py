@@ -75,7 +75,7 @@ def test_latent_decode_absorbs_the_up_projections():
     """Decode attends over the cached latents with the key up-projection folded into the query
     and the value up-projection applied after: scores over kv_lora + rope_dim, values over
     kv_lora, per head and cached position; the latent is read once (flash kernel)."""
-    from stage_dse.graph.core import Role
+    from stage_dse.graph.ir import Role
     from stage_dse.graph.symbols import Symbols
     from stage_dse.graph.transformer import build_serving_graphs
 

@@ -31,18 +31,8 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.graph.core import (
-    CollKind,
-    Frequency,
-    Graph,
-    Op,
-    OpKind,
-    Phase,
-    Region,
-    Role,
-    Scope,
-    Tensor,
-)
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Region, Role, Scope, Tensor
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
 from stage_dse.spec import (

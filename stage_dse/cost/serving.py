@@ -34,7 +34,8 @@ import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _wrap
 from stage_dse.cost.time import _compute_time, collective_time
-from stage_dse.graph.core import CollKind, Graph, OpKind, Phase, Role
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, OpKind, Phase, Role
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan

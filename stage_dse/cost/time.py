@@ -49,7 +49,8 @@ from functools import lru_cache
 import sympy as sp
 
 from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive, is_linear
-from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 

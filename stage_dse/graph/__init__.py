@@ -1,14 +1,17 @@
 """Symbolic tensor graphs of transformer workloads (no I/O, no numeric evaluation).
 
-``core`` holds the graph engine (tensors, layouts, ops, collectives, automatic backward);
-``transformer`` builds the dense GPT/Llama sections; ``symbols`` names the sympy symbols.
+``ir`` is the data model (tensors, ops, layouts, the op recorder); ``layout`` derives the
+collectives a layout change needs; ``forward`` holds one builder per op kind and ``backward`` one
+rule per op kind (a table keyed by ``OpKind``); ``core`` is the ``Graph`` of one model section
+(parameters, forward, backward, optimizer step); ``transformer`` builds the dense, MoE and
+serving sections of a model; ``symbols`` names the sympy symbols.
 """
 
-from stage_dse.graph.core import (
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import (
     Axis,
     CollKind,
     Frequency,
-    Graph,
     Op,
     OpKind,
     Phase,

@@ -18,7 +18,8 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.graph.core import (
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import (
     ADD,
     DROPOUT,
     GELU,
@@ -28,7 +29,6 @@ from stage_dse.graph.core import (
     SOFTMAX,
     SWIGLU,
     Axis,
-    Graph,
     Region,
     Role,
     Scope,

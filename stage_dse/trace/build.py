@@ -43,7 +43,8 @@ from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
 from stage_dse.cost.time import _compute_time, collective_time, embedding_sync_time
 from stage_dse.errors import ConfigError
-from stage_dse.graph.core import CollKind, Frequency, Graph, Op, OpKind, Phase
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
 from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import build_graphs
 from stage_dse.spec import (

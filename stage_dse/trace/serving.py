@@ -15,7 +15,7 @@ from pathlib import Path
 from stage_dse import __version__
 from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.serving import serving_key
-from stage_dse.graph.core import Phase
+from stage_dse.graph.ir import Phase
 from stage_dse.graph.transformer import build_serving_graphs
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec
