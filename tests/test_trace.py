@@ -291,7 +291,7 @@ def test_interleaved_trace_set(tmp_path):
 
 @pytest.mark.parametrize(("pp", "m", "v"), [(4, 8, 1), (4, 8, 2), (2, 4, 3), (4, 4, 2)])
 def test_schedule_orders_cover_every_microbatch_chunk_once(pp, m, v):
-    from stage_dse.trace.build import schedule_order
+    from stage_dse.trace.schedule import schedule_order
 
     for stage in range(pp):
         order = schedule_order(stage, pp, m, v)

@@ -23,9 +23,10 @@ import pandas as pd
 
 from stage_dse.errors import ConfigError, StageDseError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
-from stage_dse.trace.build import TraceConfig, TraceSet, write_trace_set
+from stage_dse.trace.build import TraceConfig
 from stage_dse.trace.check import check_trace_dir
 from stage_dse.trace.encode import read_trace
+from stage_dse.trace.write import TraceSet, write_trace_set
 
 __all__ = ["config_from_row", "main", "select_and_write"]
 

@@ -4,7 +4,7 @@ Every rank of a pipeline stage runs, per decode step: receive the previous stage
 (stage > 0), its layers' forward (tensor-parallel collectives included, KV cache reads and
 writes as part of the attention and cache-write kernels), send to the next stage; the last
 stage samples and sends the new tokens back to the first stage for the next step. Files,
-groups and checks are those of training traces (:mod:`stage_dse.trace.build`).
+groups and checks are those of training traces (:mod:`stage_dse.trace.write`).
 """
 
 from __future__ import annotations
@@ -19,21 +19,17 @@ from stage_dse.graph.ir import Phase
 from stage_dse.graph.transformer import build_serving_graphs
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec
-from stage_dse.trace.build import (
-    StageTemplate,
-    TraceSet,
-    _consumed,
-    _emit_ops,
-    _numbers,
-    _Program,
-    _subs,
-    group_id_warnings,
-    layer_runs,
-    set_counts,
-    stage_layers,
-    write_all_ranks,
-)
 from stage_dse.trace.mesh import Mesh
+from stage_dse.trace.program import (
+    Program,
+    StageTemplate,
+    consumed_ops,
+    emit_ops,
+    op_numbers,
+    symbol_subs,
+)
+from stage_dse.trace.schedule import layer_runs, stage_layers
+from stage_dse.trace.write import TraceSet, group_id_warnings, set_counts, write_all_ranks
 
 __all__ = ["write_serving_trace"]
 
@@ -72,10 +68,10 @@ def write_serving_trace(
     }
     ops = [op for g in graphs.sections for op in g.ops if op.phase is Phase.FORWARD]
     cfg = _Cfg(plan)
-    numbers = _numbers(cfg, ops, values)
-    consumed = {g: _consumed(g) for g in graphs.sections}
+    numbers = op_numbers(cfg, ops, values)
+    consumed = {g: consumed_ops(g) for g in graphs.sections}
     layers = stage_layers(model.num_layers, plan.pp)
-    subs = _subs(values)
+    subs = symbol_subs(values)
 
     def stage_sections(s: int) -> list:
         sections = [(graphs.embed, 1)] if s == 0 else []
@@ -89,7 +85,7 @@ def write_serving_trace(
     pp = plan.pp
     templates = []
     for s in range(pp):
-        prog = _Program(cfg, numbers)
+        prog = Program(cfg, numbers)
         sections = stage_sections(s)
         fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
         for step in range(steps):
@@ -99,7 +95,7 @@ def write_serving_trace(
                 prog.p2p(False, -1, boundary, 2 * step, f"recv_activation:step{step}")
             for g, count in sections:
                 for _ in range(count):
-                    _emit_ops(prog, fwd[g], consumed[g])
+                    emit_ops(prog, fwd[g], consumed[g])
             prog.flush()
             if s < pp - 1:
                 prog.p2p(True, +1, boundary, 2 * step, f"send_activation:step{step}")

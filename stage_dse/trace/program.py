@@ -1,0 +1,260 @@
+"""Node emission: a stage's ops turned into Chakra nodes with dependencies, as a template.
+
+What lives here: the numeric value of every op of a configuration (:func:`op_numbers`: flops,
+bytes, collective size, duration from the time model), :class:`Program`, which turns a stream
+of ops into COMP / COMM_COLL / SEND / RECV nodes with their dependencies, and
+:class:`StageTemplate`, the pre-encoded result: fixed nodes as bytes, group ids and pipeline
+peers as per-rank slots. Which ops run in which order is decided by
+:mod:`stage_dse.trace.schedule`; files are written by :mod:`stage_dse.trace.write`.
+
+Dependencies: compute nodes depend on the previous compute node (one stream) and on the
+collectives whose results they consume; collectives depend on the compute that produced their
+input. Compute between two collectives is one COMP node (``granularity="segment"``) or one node
+per kernel (``"op"``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from stage_dse.cost.bind import bind, bind_hardware
+from stage_dse.cost.time import _compute_time, collective_time
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind
+from stage_dse.graph.symbols import Symbols
+from stage_dse.spec import MeshAxis
+from stage_dse.trace import encode as enc
+
+__all__ = [
+    "COLL_TYPE",
+    "OpNumbers",
+    "Piece",
+    "Program",
+    "StageTemplate",
+    "config_values",
+    "consumed_ops",
+    "emit_ops",
+    "op_numbers",
+    "symbol_subs",
+]
+
+COLL_TYPE = {
+    CollKind.ALL_REDUCE: enc.CollType.ALL_REDUCE,
+    CollKind.ALL_GATHER: enc.CollType.ALL_GATHER,
+    CollKind.REDUCE_SCATTER: enc.CollType.REDUCE_SCATTER,
+    CollKind.ALL_TO_ALL: enc.CollType.ALL_TO_ALL,
+}
+
+
+@dataclass
+class OpNumbers:
+    flops: int
+    bytes: int
+    comm_bytes: int
+    micros: int
+
+
+def config_values(cfg) -> dict[str, float]:
+    """Every symbol's value for one trace configuration (model, step, plan, hardware)."""
+    return {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
+
+
+def symbol_subs(values: dict[str, float]) -> dict[sp.Symbol, float]:
+    return {Symbols.all()[k]: v for k, v in values.items()}
+
+
+def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
+    subs = symbol_subs(config_values(cfg) if values is None else values)
+    order = cfg.plan.rank_order
+    exprs = []
+    for op in ops:
+        t = (
+            collective_time(op.coll, op.group, op.comm_bytes, order)
+            if op.is_comm
+            else _compute_time(op)
+        )
+        exprs.extend([op.flops, op.bytes, op.comm_bytes, t])
+    args = list(subs)
+    fn = sp.lambdify(args, exprs, modules="numpy")
+    vals = np.asarray(fn(*[subs[a] for a in args]), dtype=np.float64).reshape(len(ops), 4)
+    out = {}
+    for op, (f, b, c, t) in zip(ops, vals):
+        out[id(op)] = OpNumbers(round(f), round(b), round(c), max(1, round(t * 1e6)))
+    return out
+
+
+@dataclass
+class Piece:
+    """A node of a stage program: fixed bytes, or a prefix awaiting a per-rank slot."""
+
+    prefix: bytes
+    slot: object = None
+    """None (fixed node), a group kind (pg_name), or ("peer", delta) for send/recv."""
+
+
+@dataclass
+class StageTemplate:
+    stage: int
+    pieces: list[Piece] = field(default_factory=list)
+    nodes: Counter = field(default_factory=Counter)
+    flops: int = 0
+    kinds: set = field(default_factory=set)
+
+
+class Program:
+    """Builds one stage's node list with dependencies (ids local to the file)."""
+
+    def __init__(self, cfg, numbers: dict[int, OpNumbers]) -> None:
+        self.cfg = cfg
+        self.numbers = numbers
+        self.pieces: list[Piece] = []
+        self.next_id = 0
+        self.last_compute: int | None = None
+        self.pending_comm: list[int] = []
+        """Collectives since the last compute whose results the next compute consumes."""
+        self.step_comm: list[int] = []
+        """Per-step collectives the optimizer waits for."""
+        self.segment: list[Op] = []
+        self.counts: Counter = Counter()
+        self.flops = 0
+        self.kinds: set = set()
+        degree = {
+            MeshAxis.TP: cfg.plan.tp,
+            MeshAxis.CP: cfg.plan.cp,
+            MeshAxis.EP: cfg.plan.ep,
+            MeshAxis.DP: cfg.plan.dp // cfg.plan.ep,
+            MeshAxis.PP: cfg.plan.pp,
+        }
+        self.group_size = lambda group: int(np.prod([degree[a] for a in group]))
+
+    def _new_id(self) -> int:
+        i = self.next_id
+        self.next_id += 1
+        return i
+
+    def compute(self, op: Op) -> None:
+        self.segment.append(op)
+        if self.cfg.granularity == "op":
+            self.flush()
+
+    def flush(self, name: str | None = None) -> None:
+        if not self.segment:
+            return
+        nums = [self.numbers[id(o)] for o in self.segment]
+        flops = sum(n.flops for n in nums)
+        size = sum(n.bytes for n in nums)
+        micros = sum(n.micros for n in nums)
+        deps = ([self.last_compute] if self.last_compute is not None else []) + self.pending_comm
+        nid = self._new_id()
+        label = name or (
+            self.segment[0].name
+            if len(self.segment) == 1
+            else f"{self.segment[0].name}..{self.segment[-1].name}"
+        )
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("num_ops", flops)
+            + enc.attr_uint64("tensor_size", size)
+        )
+        self.pieces.append(
+            Piece(
+                enc.node(
+                    nid,
+                    label,
+                    enc.NodeType.COMP_NODE,
+                    data_deps=deps,
+                    duration_micros=micros,
+                    attrs=attrs,
+                )
+            )
+        )
+        self.counts["COMP_NODE"] += 1
+        self.flops += flops
+        self.last_compute = nid
+        self.pending_comm = []
+        self.segment = []
+
+    def collective(self, op: Op, blocking: bool, per_step: bool = False) -> None:
+        if self.group_size(op.group) == 1:
+            return  # a one-rank group moves nothing
+        n = self.numbers[id(op)]
+        self.collective_node(op.name, op.coll, op.group, n.comm_bytes, n.micros, blocking, per_step)
+
+    def collective_node(
+        self,
+        name: str,
+        coll: CollKind,
+        kind: object,
+        comm_bytes: int,
+        micros: int,
+        blocking: bool,
+        per_step: bool = False,
+    ) -> None:
+        """A collective over the group of ``kind`` holding the rank (its id stamped per rank)."""
+        self.flush()
+        deps = [self.last_compute] if self.last_compute is not None else []
+        if self.pending_comm:
+            deps.append(self.pending_comm[-1])
+        nid = self._new_id()
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("comm_type", int(COLL_TYPE[coll]))
+            + enc.attr_int64("comm_size", comm_bytes)
+        )
+        prefix = enc.node(
+            nid,
+            name,
+            enc.NodeType.COMM_COLL_NODE,
+            data_deps=deps,
+            duration_micros=micros,
+            attrs=attrs,
+        )
+        self.pieces.append(Piece(prefix, kind))
+        self.kinds.add(kind)
+        self.counts["COMM_COLL_NODE"] += 1
+        if per_step:
+            self.step_comm.append(nid)
+        elif blocking:
+            self.pending_comm.append(nid)
+
+    def p2p(self, send: bool, delta: int, size: int, tag: int, name: str) -> None:
+        self.flush()
+        deps = [self.last_compute] if self.last_compute is not None else []
+        nid = self._new_id()
+        kind = enc.NodeType.COMM_SEND_NODE if send else enc.NodeType.COMM_RECV_NODE
+        attrs = (
+            enc.attr_bool("is_cpu_op", False)
+            + enc.attr_int64("comm_size", size)
+            + enc.attr_int32("comm_tag", tag)
+        )
+        self.pieces.append(
+            Piece(enc.node(nid, name, kind, data_deps=deps, attrs=attrs), ("peer", delta, send))
+        )
+        self.counts["COMM_SEND_NODE" if send else "COMM_RECV_NODE"] += 1
+        if not send:
+            self.pending_comm.append(nid)
+
+
+def consumed_ops(graph: Graph) -> set[int]:
+    """Ops whose outputs are read by a later op of the same section (blocking collectives)."""
+    readers: set = set()
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.add(t)
+    return {id(op) for op in graph.ops if any(t in readers for t in op.outputs)}
+
+
+def emit_ops(prog: Program, ops: list[Op], consumed: set[int], skip_step: bool = True) -> None:
+    for op in ops:
+        if op.kind in (OpKind.VIEW,) or op.coll is CollKind.SLICE:
+            continue
+        if op.is_comm:
+            if op.frequency is Frequency.PER_STEP and skip_step:
+                continue
+            prog.collective(op, blocking=id(op) in consumed)
+        elif op.kind is not OpKind.OPTIMIZER:
+            prog.compute(op)
