@@ -149,7 +149,7 @@ def test_moe_sweep_and_expert_parallel_trace(tmp_path):
     assert (df.loc[df.ep > 1, "comm_all_to_all_bytes"] > 0).all()
     assert (df.loc[df.ep > 1, "ep_comm_s"] > 0).all()
     row = df[(df.ep == 4) & (df.tp == 2) & (df.expert_tensor_parallel) & (df.pp == 1)].iloc[0]
-    from stage_dse.trace.cli import config_from_row
+    from stage_dse.cli.trace import config_from_row
 
     cfg = config_from_row(row)
     out = tmp_path / "trace"

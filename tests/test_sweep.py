@@ -405,7 +405,7 @@ def test_analysis_helpers(tmp_path):
 
 
 def test_plot_writes_pngs(tmp_path):
-    from stage_dse.plot import main as plot_main
+    from stage_dse.cli.plot import main as plot_main
 
     store = ResultStore(tmp_path / "p")
     run_grid(small_spec(), LocalExecutor(), store, progress=False)

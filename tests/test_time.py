@@ -287,7 +287,7 @@ def test_compiled_numpy_backend_matches_symengine():
 
 def test_validation_against_published_tables():
     """Narayanan Table 1: mean |error| <= 5%, max <= 10% with one set of A100 constants."""
-    from stage_dse.validation.run import korthikanti_table4, narayanan_table1
+    from stage_dse.validation.published import korthikanti_table4, narayanan_table1
 
     t1 = narayanan_table1()
     assert len(t1) == 10

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import gpt, llama
 
+from stage_dse.cli.trace import main as trace_main
+from stage_dse.cli.trace import select_and_write
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import evaluate_plan
 from stage_dse.errors import ConfigError
@@ -21,8 +23,6 @@ from stage_dse.spec import MeshAxis, ParallelPlan, TrainingSpec
 from stage_dse.trace import TraceConfig, check_trace_dir, stage_layers, write_trace_set
 from stage_dse.trace import encode as enc
 from stage_dse.trace import et_def_pb2 as pb
-from stage_dse.trace.cli import main as trace_main
-from stage_dse.trace.cli import select_and_write
 from stage_dse.trace.mesh import ASTRA_SIM_MAX_GROUP_ID, EMBEDDING, Mesh
 
 H100 = load_hardware("h100_sxm")
@@ -500,7 +500,7 @@ def test_trace_cli_config_check_and_json(tmp_path, capsys):
     assert first["id"] == "0" and first["dataDeps"] == []  # defaults are printed too
     # piped into a reader that stops early (`| head`): no traceback, exit 0
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stage_dse.trace.cli", "json", str(out / "trace.0.et")],
+        [sys.executable, "-m", "stage_dse.cli.trace", "json", str(out / "trace.0.et")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

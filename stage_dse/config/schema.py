@@ -15,12 +15,25 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stage_dse.config.presets import cluster_from_dict, hardware_from_dict
+from stage_dse.config.presets import cluster_from_dict, hardware_from_dict, load_hardware
 from stage_dse.errors import ConfigError
-from stage_dse.search.space import SearchSpace
-from stage_dse.spec import ModelSpec, TrainingSpec
+from stage_dse.spec import (
+    ModelSpec,
+    OptunaSpec,
+    SearchSpace,
+    ServingSweepSpec,
+    SweepSpec,
+    TrainingSpec,
+)
 
-__all__ = ["Config", "register_schemas", "to_search_space", "to_sweep"]
+__all__ = [
+    "Config",
+    "register_schemas",
+    "to_optuna",
+    "to_search_space",
+    "to_serving_sweep",
+    "to_sweep",
+]
 
 
 @dataclass
@@ -264,10 +277,8 @@ def to_search_space(plan: dict) -> SearchSpace:
     return _spec("plan", SearchSpace, data)
 
 
-def to_sweep(cfg: DictConfig):
-    """The domain objects of one Hydra job: (SweepSpec, model-level plan checks done)."""
-    from stage_dse.runner.sweep import SweepSpec
-
+def to_sweep(cfg: DictConfig) -> SweepSpec:
+    """The training sweep of one Hydra job, with the model-level plan checks done."""
     c = _plain(cfg)
     model = _spec("model", ModelSpec, c["model"])
     training = _spec("training", TrainingSpec, c["training"])
@@ -346,11 +357,24 @@ def check_explicit_degrees(space: SearchSpace, model: ModelSpec, training: Train
                 raise ConfigError(f"plan.cp={cp}: cp({cp}) does not divide seq({training.seq_len})")
 
 
-def to_serving_sweep(cfg: DictConfig):
-    """The serving sweep of one Hydra job (``workload=serving``)."""
-    from stage_dse.config.presets import load_hardware
-    from stage_dse.runner.serving import ServingSweepSpec
+def to_optuna(cfg: DictConfig) -> OptunaSpec:
+    """The Optuna settings of one Hydra job (``search.kind=optuna``), hardware presets loaded."""
+    s = _plain(cfg)["search"]
+    return OptunaSpec(
+        n_trials=s["n_trials"],
+        batch_size=s["batch_size"],
+        sampler=s["sampler"],
+        objectives=tuple(s["objectives"]),
+        seed=s["seed"],
+        gpus=tuple(s["gpus"]),
+        hardware=tuple(load_hardware(name) for name in s["hardware"]),
+        hbm_gib=tuple(float(x) for x in s["hbm_gib"]),
+        inter_gbit_s=tuple(float(x) for x in s["inter_gbit_s"]),
+    )
 
+
+def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
+    """The serving sweep of one Hydra job (``workload=serving``)."""
     c = _plain(cfg)
     model = _spec("model", ModelSpec, c["model"])
     sv = c["serving"]

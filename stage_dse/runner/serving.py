@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -24,30 +23,12 @@ from stage_dse.results.schema import SERVING_COLUMNS, config_hash
 from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
-from stage_dse.search.space import divisors
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.serving import ServingSpec, serving_plan
+from stage_dse.spec.sweep import ServingSweepSpec, divisors
 
 __all__ = ["ServingSweepSpec", "run_serving", "serving_top_table"]
 
 GIB = 2.0**30
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServingSweepSpec:
-    name: str
-    model: ModelSpec
-    hardware: tuple[HardwareSpec, ...]
-    cluster: ClusterSpec
-    tp: Sequence[int] | str = "auto"
-    pp: Sequence[int] = (1,)
-    ep: Sequence[int] = (1,)
-    """Expert-parallel sizes (MoE models): attention runs data-parallel over the ep ranks."""
-    batch_sizes: Sequence[int] = (1, 8, 32, 128)
-    prompt_lens: Sequence[int] = (2048,)
-    output_tokens: int = 256
-    kv_dtype: str = "bf16"
-    weights_dtype: str = "bf16"
 
 
 def run_serving(

@@ -1,7 +1,7 @@
 """The sweep driver: enumerate, skip what is done, evaluate in batches, write part files.
 
-What lives here: :class:`SweepSpec` (what one Hydra job sweeps, as domain specs),
-:func:`run_grid` (exhaustive search) and the summary a user sees. It is the only code that
+What lives here: :func:`run_grid` (exhaustive search over a
+:class:`~stage_dse.spec.sweep.SweepSpec`) and the summary a user sees. It is the only code that
 writes results. It takes an executor, so the same sweep runs in-process or on Ray.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from stage_dse.errors import ConfigError
 from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import (
     Block,
@@ -26,53 +25,12 @@ from stage_dse.runner.evaluate import (
     evaluate_part,
 )
 from stage_dse.runner.executors import Executor
-from stage_dse.search.space import SearchSpace, enumerate_plans
-from stage_dse.spec import (
-    ClusterSpec,
-    HardwareSpec,
-    ModelSpec,
-    TrainingSpec,
-    check_gemm_dtype,
-)
+from stage_dse.search.space import enumerate_plans
+from stage_dse.spec.sweep import SweepSpec
 
 __all__ = ["SweepReport", "SweepSpec", "build_table", "run_grid", "top_table"]
 
 GIB = 2.0**30
-
-
-@dataclass(frozen=True, kw_only=True)
-class SweepSpec:
-    """One inner sweep: models x hardware x GPU counts x plan space, on one cluster design."""
-
-    name: str
-    models: tuple[ModelSpec, ...]
-    training: TrainingSpec
-    hardware: tuple[HardwareSpec, ...]
-    cluster: ClusterSpec
-    gpu_counts: tuple[int, ...]
-    space: SearchSpace
-    memory_limit_bytes: float | None = None
-    """Budget mode: usable memory per GPU replaces the hardware's."""
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ConfigError(f"sweep_name={self.name!r} must be a plain folder name")
-        if not self.gpu_counts:
-            raise ConfigError("num_gpus must list at least one GPU count")
-        for n in self.gpu_counts:
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
-            per_node = self.cluster.gpus_per_node
-            if n > per_node and n % per_node:
-                raise ConfigError(
-                    f"num_gpus({n}) is not a multiple of cluster.gpus_per_node({per_node})"
-                )
-        for hw in self.hardware:
-            check_gemm_dtype(self.training, hw)
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
-            raise ConfigError(
-                f"budget.memory_gib must be > 0, got {self.memory_limit_bytes / GIB:g}"
-            )
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import optuna
@@ -23,20 +22,18 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from stage_dse.config.presets import load_hardware
 from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore
 from stage_dse.runner.evaluate import error_rows, evaluate_batch, finalize_rows, invalid_rows
 from stage_dse.runner.executors import Executor
-from stage_dse.runner.sweep import SweepReport, SweepSpec
-from stage_dse.search.space import divisors
+from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec import ParallelPlan
+from stage_dse.spec.sweep import OBJECTIVES, OptunaSpec, SweepSpec, divisors
 
 __all__ = ["OBJECTIVES", "run_optuna"]
 
-OBJECTIVES = ("step_s", "gpu_seconds", "num_gpus", "mem_total_bytes")
 GIB = 2.0**30
 
 
@@ -62,7 +59,7 @@ def _sampler(kind: str, seed: int, n_obj: int) -> optuna.samplers.BaseSampler:
 
 def run_optuna(
     spec: SweepSpec,
-    search: Any,
+    search: OptunaSpec,
     executor: Executor,
     store: ResultStore,
     progress: bool = True,
@@ -70,15 +67,8 @@ def run_optuna(
 ) -> SweepReport:
     t0 = time.perf_counter()
     objectives = list(search.objectives)
-    for name in objectives:
-        if name not in OBJECTIVES:
-            raise ConfigError(f"search.objectives: {name!r} is not one of: {', '.join(OBJECTIVES)}")
-    if search.n_trials <= 0 or search.batch_size <= 0:
-        raise ConfigError("search.n_trials and search.batch_size must be > 0")
     model = spec.models[0]
-    hardware = {hw.name: hw for hw in spec.hardware}
-    for name in search.hardware:
-        hardware[name] = load_hardware(name)
+    hardware = {hw.name: hw for hw in (*spec.hardware, *search.hardware)}
     gpus = sorted(set(search.gpus or spec.gpu_counts))
     cluster0 = spec.cluster
     space = spec.space

@@ -1,7 +1,7 @@
 """Search spaces over parallel plans and their vectorized enumeration.
 
-What lives here: :class:`SearchSpace` (the values each plan axis may take; ``"auto"`` means every
-divisor of the GPU count) and :func:`enumerate_plans`, which lays the cartesian product out as a
+What lives here: :func:`enumerate_plans`, which takes a :class:`~stage_dse.spec.sweep.SearchSpace`
+(the values each plan axis may take; ``"auto"`` means every divisor of the GPU count), lays the cartesian product out as a
 numpy grid, applies the same divisibility rules as :func:`stage_dse.spec.validate_plan` as
 broadcast masks, and returns the valid plans as columns (:class:`stage_dse.cost.table.PlanColumns`,
 or a plan table) together with how many were rejected by which rule (the first rule a plan
@@ -22,14 +22,12 @@ from stage_dse.cost.bind import bind_hardware, model_values
 from stage_dse.cost.table import PlanColumns, model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
-    AttentionKernel,
     ClusterSpec,
     HardwareSpec,
-    MeshAxis,
     ModelSpec,
-    Recompute,
     TrainingSpec,
 )
+from stage_dse.spec.sweep import SearchSpace, divisors
 
 __all__ = ["Enumeration", "SearchSpace", "divisors", "enumerate_plans"]
 
@@ -54,72 +52,6 @@ def _moe_rules(model, tp, ep, etp, sp_, dp) -> list[tuple[str, np.ndarray]]:
             etp & (fe % tp != 0),
         ),
     ]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchSpace:
-    """Values each plan axis may take. Degrees accept ``"auto"``: every divisor of the GPU count."""
-
-    tp: Axis = "auto"
-    pp: Axis = "auto"
-    cp: Axis = (1,)
-    ep: Axis = (1,)
-    """Expert-parallel sizes (MoE models); ``"auto"``: every divisor of the expert count."""
-    expert_tensor_parallel: Sequence[bool] = (False,)
-    micro_batch_size: Sequence[int] = (1, 2, 4, 8)
-    zero_stage: Sequence[int] = (0, 1, 2, 3)
-    recompute: Sequence[str] = ("none", "selective", "full")
-    sequence_parallel: Sequence[bool] = (False, True)
-    attention: Sequence[str] = ("flash",)
-    virtual_stages: Sequence[int] = (1,)
-    """1 means the 1F1B schedule; v > 1 the interleaved schedule with v chunks."""
-    rank_order: Sequence[str] = ("tp-cp-ep-dp-pp",)
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    tp_comm_overlap: bool = False
-    ep_comm_overlap: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ep"):
-            v = getattr(self, name)
-            if isinstance(v, str):
-                if v != "auto":
-                    raise ConfigError(f"plan.{name}={v!r}: give a list of integers or 'auto'")
-            else:
-                _positive_list(name, v)
-        for name in ("micro_batch_size", "virtual_stages"):
-            _positive_list(name, getattr(self, name))
-        for z in self.zero_stage:
-            if z not in (0, 1, 2, 3):
-                raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")
-        for r in self.recompute:
-            if r not in {m.value for m in Recompute}:
-                raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full")
-        for a in self.attention:
-            if a not in {m.value for m in AttentionKernel}:
-                raise ConfigError(f"plan.attention={a!r} is not one of: materialized, flash")
-        for order in self.rank_order:
-            parts = str(order).split("-")
-            if sorted(parts) != sorted(m.value for m in MeshAxis):
-                raise ConfigError(
-                    f"plan.rank_order={order} must name each of tp, cp, ep, dp, pp exactly once"
-                )
-
-    def degrees(self, name: str, num_gpus: int) -> list[int]:
-        v = getattr(self, name)
-        return divisors(num_gpus) if isinstance(v, str) else sorted(set(v))
-
-
-def _positive_list(name: str, values: Sequence[int]) -> None:
-    if not values:
-        raise ConfigError(f"plan.{name} must list at least one value")
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-            raise ConfigError(f"plan.{name} values must be integers > 0, got {x!r}")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Frozen, validated descriptions of what is evaluated: model, training step and parallel plan.
+"""Frozen, validated descriptions of what is evaluated: model, hardware, training step, parallel
+plan, and what a sweep or search covers.
 
 Nothing here does I/O or computes a cost; presets are loaded by :mod:`stage_dse.config`.
 """
@@ -13,6 +14,7 @@ from stage_dse.spec.plan import (
     Recompute,
     validate_plan,
 )
+from stage_dse.spec.sweep import OptunaSpec, SearchSpace, ServingSweepSpec, SweepSpec
 from stage_dse.spec.training import DType, Optimizer, TrainingSpec, check_gemm_dtype
 
 __all__ = [
@@ -25,10 +27,14 @@ __all__ = [
     "ModelSpec",
     "NormKind",
     "Optimizer",
+    "OptunaSpec",
     "ParallelPlan",
     "PipelineSchedule",
     "PositionKind",
     "Recompute",
+    "SearchSpace",
+    "ServingSweepSpec",
+    "SweepSpec",
     "TrainingSpec",
     "check_gemm_dtype",
     "validate_plan",

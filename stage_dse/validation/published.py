@@ -1,4 +1,4 @@
-"""``stage-dse-validate``: predictions against published measurements.
+"""Predictions against published measurements (the tables behind ``stage-dse-validate``).
 
 Narayanan et al. SC21 Table 1 (achieved TFLOP/s per GPU of ten GPT models on up to 3072 A100s)
 and Korthikanti et al. MLSys 2023 Table 4 (one layer's forward/backward time of a 22B model).
@@ -12,11 +12,9 @@ model chunks per GPU in {1, 2, 3, 4, 6, 8}. The same hardware constants serve ev
 
 from __future__ import annotations
 
-import argparse
 import csv
 from importlib.resources import files
 
-import numpy as np
 import pandas as pd
 
 from stage_dse.config import load_cluster, load_hardware, load_model
@@ -24,7 +22,7 @@ from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
 
-__all__ = ["korthikanti_table4", "main", "narayanan_table1"]
+__all__ = ["korthikanti_table4", "narayanan_table1"]
 
 
 def _rows(name: str) -> list[dict[str, str]]:
@@ -106,42 +104,3 @@ def korthikanti_table4(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -
         }
     )
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="stage-dse-validate",
-        description="Compare predictions with published measurements (Narayanan et al. SC21 "
-        "Table 1; Korthikanti et al. MLSys 2023 Table 4).",
-    )
-    parser.add_argument("--hardware", default="a100_80gb", help="hardware preset")
-    parser.add_argument("--cluster", default="dgx_a100", help="cluster preset")
-    args = parser.parse_args(argv)
-    try:
-        t4 = korthikanti_table4(args.hardware, args.cluster)
-        t1 = narayanan_table1(args.hardware, args.cluster)
-    except ConfigError as exc:
-        parser.exit(2, f"stage-dse-validate: {exc}\n")
-    print("Korthikanti et al. Table 4: one 22B layer, TP 8, micro-batch 4 (ms)")
-    for r in t4.itertuples():
-        print(
-            f"  {r.experiment:42s} fwd {r.predicted_forward_ms:5.1f} vs {r.forward_ms:5.1f} "
-            f"({100 * (r.predicted_forward_ms / r.forward_ms - 1):+5.1f}%)  "
-            f"bwd {r.predicted_backward_ms:5.1f} vs {r.backward_ms:5.1f} "
-            f"({100 * (r.predicted_backward_ms / r.backward_ms - 1):+5.1f}%)"
-        )
-    print("Narayanan et al. Table 1: achieved TFLOP/s per GPU (eq. 3 flops / step time)")
-    for r in t1.itertuples():
-        print(
-            f"  {r.model:11s} tp={r.tp:<2d} pp={r.pp:<2d} dp={r.dp:<3d} gpus={r.num_gpus:<5d} "
-            f"micro_batch={r.micro_batch:<2d} chunks={r.virtual_stages:<2d} "
-            f"predicted {r.predicted_tflops:6.1f} published {r.published_tflops:6.1f} "
-            f"err {r.err_pct:+5.1f}%  mfu {r.mfu:.3f}"
-        )
-    errs = np.abs(t1["err_pct"].to_numpy())
-    print(f"table1 mean_abs_err_pct={errs.mean():.2f} max_abs_err_pct={errs.max():.2f}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

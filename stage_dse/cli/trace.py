@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from stage_dse.errors import ConfigError, StageDseError
+from stage_dse.cli._common import compose, one_line_errors
+from stage_dse.errors import ConfigError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.trace.build import TraceConfig
 from stage_dse.trace.check import check_trace_dir
@@ -213,17 +214,10 @@ def _serving_config_mode(cfg, out: str, steps: int):
 
 
 def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 4):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stage_dse.config.presets import conf_dir
-    from stage_dse.config.schema import check_top_level, register_schemas, to_sweep
+    from stage_dse.config.schema import check_top_level, to_sweep
     from stage_dse.cost.table import plan_row
 
-    register_schemas()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose(overrides)
     check_top_level(cfg)
     if cfg.workload == "serving":
         return _serving_config_mode(cfg, out, steps)
@@ -259,6 +253,7 @@ def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 
     return TraceConfig(spec.models[0], spec.training, plan, spec.hardware[0], cluster, granularity)
 
 
+@one_line_errors("stage-dse-trace")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stage-dse-trace", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -280,58 +275,54 @@ def main(argv: list[str] | None = None) -> int:
     p_js = sub.add_parser("json", help="print one rank file as JSON, one node per line")
     p_js.add_argument("file")
     args = parser.parse_args(argv)
-    try:
-        if args.cmd == "select":
-            executor = None
-            if args.ray:
-                from stage_dse.runner.executors import RayExecutor
+    if args.cmd == "select":
+        executor = None
+        if args.ray:
+            from stage_dse.runner.executors import RayExecutor
 
-                executor = RayExecutor()
-            try:
-                select_and_write(
-                    args.results,
-                    args.top,
-                    args.by,
-                    args.where,
-                    args.hash,
-                    args.granularity,
-                    executor,
-                )
-            finally:
-                if executor is not None:
-                    executor.close()
-        elif args.cmd == "config":
-            cfg = _config_mode(args.out, args.overrides, args.granularity, args.steps)
-            ts = cfg if isinstance(cfg, TraceSet) else write_trace_set(cfg, args.out)
-            print(f"{ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {ts.path}")
-            for w in ts.warnings:
-                print(f"warning: {w}")
-        elif args.cmd == "check":
-            problems = check_trace_dir(args.dir)
-            if problems:
-                for p in problems[:20]:
-                    print(p)
-                if len(problems) > 20:
-                    print(f"... and {len(problems) - 20} more")
-                return 1
-            manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
-            print(f"ok: {manifest['ranks']} ranks, {manifest['total_nodes']} nodes")
-        elif args.cmd == "json":
-            from google.protobuf.json_format import MessageToDict
+            executor = RayExecutor()
+        try:
+            select_and_write(
+                args.results,
+                args.top,
+                args.by,
+                args.where,
+                args.hash,
+                args.granularity,
+                executor,
+            )
+        finally:
+            if executor is not None:
+                executor.close()
+    elif args.cmd == "config":
+        cfg = _config_mode(args.out, args.overrides, args.granularity, args.steps)
+        ts = cfg if isinstance(cfg, TraceSet) else write_trace_set(cfg, args.out)
+        print(f"{ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {ts.path}")
+        for w in ts.warnings:
+            print(f"warning: {w}")
+    elif args.cmd == "check":
+        problems = check_trace_dir(args.dir)
+        if problems:
+            for p in problems[:20]:
+                print(p)
+            if len(problems) > 20:
+                print(f"... and {len(problems) - 20} more")
+            return 1
+        manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
+        print(f"ok: {manifest['ranks']} ranks, {manifest['total_nodes']} nodes")
+    elif args.cmd == "json":
+        from google.protobuf.json_format import MessageToDict
 
-            meta, nodes = read_trace(args.file)
-            try:
-                print(json.dumps(MessageToDict(meta)))
-                for node in nodes:
-                    # every field, node id 0 and empty deps included: readers need not know
-                    # proto3's defaults
-                    d = MessageToDict(node, always_print_fields_with_no_presence=True)
-                    print(json.dumps(d))
-            except BrokenPipeError:  # e.g. piped into head: stop quietly
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except StageDseError as exc:
-        print(f"stage-dse-trace: error: {exc}", file=sys.stderr)
-        return 2
+        meta, nodes = read_trace(args.file)
+        try:
+            print(json.dumps(MessageToDict(meta)))
+            for node in nodes:
+                # every field, node id 0 and empty deps included: readers need not know
+                # proto3's defaults
+                d = MessageToDict(node, always_print_fields_with_no_presence=True)
+                print(json.dumps(d))
+        except BrokenPipeError:  # e.g. piped into head: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

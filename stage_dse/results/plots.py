@@ -1,4 +1,4 @@
-"""``stage-dse-plot``: PNG figures of a results folder (matplotlib, no display needed).
+"""PNG figures of a results folder (matplotlib, no display needed; ``stage-dse-plot``).
 
 * ``step_time_vs_gpus.png``: best feasible step time per GPU count (one line per model and
   hardware);
@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -19,7 +18,7 @@ import matplotlib.pyplot as plt
 
 from stage_dse.results.analysis import best_per, load, pareto
 
-__all__ = ["main", "plot_results"]
+__all__ = ["plot_results"]
 
 GIB = 2.0**30
 
@@ -93,23 +92,3 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stage-dse-plot", description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="a sweep's results folder, e.g. results/default")
-    parser.add_argument("--out", default=None, help="output folder (default: RESULTS/_plots)")
-    parser.add_argument("--top", type=int, default=10, help="plans in the memory breakdown")
-    args = parser.parse_args(argv)
-    if not Path(args.results).is_dir():
-        parser.exit(2, f"stage-dse-plot: error: no results folder {args.results}\n")
-    files = plot_results(args.results, args.out or Path(args.results) / "_plots", args.top)
-    if not files:
-        parser.exit(1, "stage-dse-plot: error: no feasible rows to plot\n")
-    for f in files:
-        print(f)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Command-line entry points.
+"""``stage-dse``: run a sweep.
 
 ``stage-dse`` is a Hydra app over ``conf/`` (and the experiments in ``sweeps/``): one job is one
 inner sweep, ``-m`` fans out over outer axes. The app composes the config, converts it to specs
@@ -15,8 +15,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from stage_dse.cli._common import fail, precheck
 from stage_dse.config.presets import conf_dir
-from stage_dse.config.schema import check_top_level, register_schemas, to_sweep
+from stage_dse.config.schema import check_top_level, register_schemas, to_optuna, to_sweep
 from stage_dse.errors import StageDseError
 
 __all__ = ["main", "run"]
@@ -59,13 +60,14 @@ def run(cfg: DictConfig) -> int:
         raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
     if cfg.runner.batch_size <= 0:
         raise StageDseError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
+    search = to_optuna(cfg) if cfg.search.kind == "optuna" else None
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     executor = make_executor(cfg.runner.kind, cfg.runner.address, cfg.runner.num_cpus)
     try:
-        if cfg.search.kind == "optuna":
+        if search is not None:
             from stage_dse.search.optuna_search import run_optuna
 
-            report = run_optuna(spec, cfg.search, executor, store, progress=cfg.runner.progress)
+            report = run_optuna(spec, search, executor, store, progress=cfg.runner.progress)
         else:
             report = run_grid(
                 spec,
@@ -123,38 +125,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except StageDseError as exc:
-        print(f"stage-dse: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-def precheck(overrides: list[str]) -> str | None:
-    """Compose the config once to turn Hydra's multi-line composition errors (unknown preset,
-    value of the wrong type) into one line naming the override; None when it composes."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        text = " ".join(str(exc).split())
-        if "Could not find" in text and "Available options" in text:
-            head, _, opts = text.partition("Available options in")
-            group, _, names = opts.partition(":")
-            names = ", ".join(
-                n for n in names.split("Config search path")[0].split() if not n.endswith("_schema")
-            )
-            return f"{head.split(': ', 1)[-1].strip()}; valid {group.strip(chr(39) + ' ')}: {names}"
-        cause = exc.__cause__
-        if cause is not None:
-            text = f"{text}: {str(cause).splitlines()[0]}"
-        return text.split(" full_key:")[0]
-    finally:
-        GlobalHydra.instance().clear()
-    return None
+        sys.exit(fail("stage-dse", str(exc)))
 
 
 def main() -> None:
@@ -163,8 +134,7 @@ def main() -> None:
     if not any(a.startswith("-") for a in args):  # a plain run: check overrides first
         message = precheck(args)
         if message:
-            print(f"stage-dse: error: {message}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(fail("stage-dse", message))
     _hydra_main()
 
 

@@ -1,0 +1,183 @@
+"""What a sweep covers, as domain specs: plan search spaces, training and serving sweeps, and
+Optuna search settings.
+
+These are built from configuration by :mod:`stage_dse.config` and handed to the search and
+runner layers, which read no configuration files themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stage_dse.errors import ConfigError
+from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
+from stage_dse.spec.model import ModelSpec
+from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
+from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
+
+__all__ = [
+    "OBJECTIVES",
+    "OptunaSpec",
+    "SearchSpace",
+    "ServingSweepSpec",
+    "SweepSpec",
+    "divisors",
+]
+
+Axis = Sequence[int] | str
+GIB = 2.0**30
+OBJECTIVES = ("step_s", "gpu_seconds", "num_gpus", "mem_total_bytes")
+"""Result columns an Optuna search can minimize (``gpu_seconds`` = step_s x num_gpus)."""
+SAMPLERS = ("tpe", "nsga2", "random")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Values each plan axis may take. Degrees accept ``"auto"``: every divisor of the GPU count."""
+
+    tp: Axis = "auto"
+    pp: Axis = "auto"
+    cp: Axis = (1,)
+    ep: Axis = (1,)
+    """Expert-parallel sizes (MoE models); ``"auto"``: every divisor of the expert count."""
+    expert_tensor_parallel: Sequence[bool] = (False,)
+    micro_batch_size: Sequence[int] = (1, 2, 4, 8)
+    zero_stage: Sequence[int] = (0, 1, 2, 3)
+    recompute: Sequence[str] = ("none", "selective", "full")
+    sequence_parallel: Sequence[bool] = (False, True)
+    attention: Sequence[str] = ("flash",)
+    virtual_stages: Sequence[int] = (1,)
+    """1 means the 1F1B schedule; v > 1 the interleaved schedule with v chunks."""
+    rank_order: Sequence[str] = ("tp-cp-ep-dp-pp",)
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                if v != "auto":
+                    raise ConfigError(f"plan.{name}={v!r}: give a list of integers or 'auto'")
+            else:
+                _positive_list(name, v)
+        for name in ("micro_batch_size", "virtual_stages"):
+            _positive_list(name, getattr(self, name))
+        for z in self.zero_stage:
+            if z not in (0, 1, 2, 3):
+                raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")
+        for r in self.recompute:
+            if r not in {m.value for m in Recompute}:
+                raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full")
+        for a in self.attention:
+            if a not in {m.value for m in AttentionKernel}:
+                raise ConfigError(f"plan.attention={a!r} is not one of: materialized, flash")
+        for order in self.rank_order:
+            parts = str(order).split("-")
+            if sorted(parts) != sorted(m.value for m in MeshAxis):
+                raise ConfigError(
+                    f"plan.rank_order={order} must name each of tp, cp, ep, dp, pp exactly once"
+                )
+
+    def degrees(self, name: str, num_gpus: int) -> list[int]:
+        v = getattr(self, name)
+        return divisors(num_gpus) if isinstance(v, str) else sorted(set(v))
+
+
+def _positive_list(name: str, values: Sequence[int]) -> None:
+    if not values:
+        raise ConfigError(f"plan.{name} must list at least one value")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+            raise ConfigError(f"plan.{name} values must be integers > 0, got {x!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSpec:
+    """One inner sweep: models x hardware x GPU counts x plan space, on one cluster design."""
+
+    name: str
+    models: tuple[ModelSpec, ...]
+    training: TrainingSpec
+    hardware: tuple[HardwareSpec, ...]
+    cluster: ClusterSpec
+    gpu_counts: tuple[int, ...]
+    space: SearchSpace
+    memory_limit_bytes: float | None = None
+    """Budget mode: usable memory per GPU replaces the hardware's."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ConfigError(f"sweep_name={self.name!r} must be a plain folder name")
+        if not self.gpu_counts:
+            raise ConfigError("num_gpus must list at least one GPU count")
+        for n in self.gpu_counts:
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
+            per_node = self.cluster.gpus_per_node
+            if n > per_node and n % per_node:
+                raise ConfigError(
+                    f"num_gpus({n}) is not a multiple of cluster.gpus_per_node({per_node})"
+                )
+        for hw in self.hardware:
+            check_gemm_dtype(self.training, hw)
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ConfigError(
+                f"budget.memory_gib must be > 0, got {self.memory_limit_bytes / GIB:g}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptunaSpec:
+    """Settings of an Optuna search over a sweep's space (``search.kind=optuna``)."""
+
+    n_trials: int = 1000
+    batch_size: int = 256
+    """Trials asked, screened and evaluated together."""
+    sampler: str = "tpe"
+    objectives: tuple[str, ...] = ("step_s",)
+    seed: int = 0
+    gpus: tuple[int, ...] = ()
+    """GPU counts to choose from (empty: the sweep's)."""
+    hardware: tuple[HardwareSpec, ...] = ()
+    """Further hardware to choose from, beside the sweep's."""
+    hbm_gib: tuple[float, ...] = ()
+    """Co-design axis: HBM capacity per GPU in GiB, as sampled (empty: the hardware's)."""
+    inter_gbit_s: tuple[float, ...] = ()
+    """Co-design axis: scale-out bandwidth per GPU in Gbit/s (empty: the cluster's)."""
+
+    def __post_init__(self) -> None:
+        for name in self.objectives:
+            if name not in OBJECTIVES:
+                raise ConfigError(
+                    f"search.objectives: {name!r} is not one of: {', '.join(OBJECTIVES)}"
+                )
+        if self.n_trials <= 0 or self.batch_size <= 0:
+            raise ConfigError("search.n_trials and search.batch_size must be > 0")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(
+                f"search.sampler={self.sampler!r} is not one of: {', '.join(SAMPLERS)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSweepSpec:
+    name: str
+    model: ModelSpec
+    hardware: tuple[HardwareSpec, ...]
+    cluster: ClusterSpec
+    tp: Sequence[int] | str = "auto"
+    pp: Sequence[int] = (1,)
+    ep: Sequence[int] = (1,)
+    """Expert-parallel sizes (MoE models): attention runs data-parallel over the ep ranks."""
+    batch_sizes: Sequence[int] = (1, 8, 32, 128)
+    prompt_lens: Sequence[int] = (2048,)
+    output_tokens: int = 256
+    kv_dtype: str = "bf16"
+    weights_dtype: str = "bf16"

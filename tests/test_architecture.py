@@ -1,0 +1,57 @@
+"""The layering of ARCHITECTURE.md, checked on the source: lower layers never import the
+configuration edge or the command line, modules stay readable, every op kind has its rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import stage_dse
+from stage_dse.graph.backward import BACKWARD_RULES
+from stage_dse.graph.ir import OpKind
+
+PACKAGE = Path(stage_dse.__file__).parent
+LOWER = ("graph", "cost", "search", "runner", "spec", "results", "trace")
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("layer", LOWER)
+def test_lower_layers_import_neither_config_nor_cli(layer):
+    for path in sorted((PACKAGE / layer).glob("*.py")):
+        bad = {
+            m
+            for m in _imports(path)
+            if m.startswith(("stage_dse.config", "stage_dse.cli", "hydra", "omegaconf"))
+        }
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
+def test_symbolic_layer_does_no_io():
+    for layer in ("graph", "spec"):
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            bad = _imports(path) & {"os", "pathlib", "json", "yaml", "pyarrow", "pandas"}
+            assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
+def test_no_module_over_600_lines():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name.endswith("_pb2.py"):
+            continue
+        n = len(path.read_text().splitlines())
+        assert n <= 600, f"{path.relative_to(PACKAGE)} has {n} lines"
+
+
+def test_every_forward_op_kind_has_a_backward_rule():
+    assert set(BACKWARD_RULES) == set(OpKind) - {OpKind.OPTIMIZER}
