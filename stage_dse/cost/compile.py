@@ -56,7 +56,7 @@ def family_program(key: CostKey) -> tuple[list[tuple[sp.Symbol, sp.Expr]], dict[
     defs, time_out = derive_time(key)
     outputs: dict[str, sp.Expr] = dict(costs)
     for name, expr in time_out:
-        metric = name in ("mfu", "hfu", "tokens_per_s", "achieved_flops_per_gpu")
+        metric = name in ("mfu", "mfu_causal", "hfu", "tokens_per_s", "achieved_flops_per_gpu")
         outputs[name if metric else f"time_{name}"] = expr
     outputs["mem_headroom_bytes"] = Symbols.usable_memory - costs["mem_total"]
     return list(defs), outputs

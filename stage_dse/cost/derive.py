@@ -227,6 +227,8 @@ class SectionCosts:
     kept_bytes: dict[Recompute, sp.Expr]
     recompute_working_bytes: dict[Recompute, sp.Expr]
     matmul_fwd_global_flops: sp.Expr
+    matmul_fwd_executed_global_flops: sp.Expr
+    """Forward matmuls over the mesh counting what causal kernels execute."""
     matmul_global_flops: dict[Recompute, sp.Expr]
     """Matmul (einsum and attention) ops of forward, backward and recompute over the mesh."""
     hardware_global_flops: dict[Recompute, sp.Expr]
@@ -262,6 +264,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     fwd = [op for op in graph.ops if op.phase is Phase.FORWARD]
     bwd = [op for op in graph.ops if op.phase is Phase.BACKWARD]
     matmul_fwd = _sum([op.global_flops for op in fwd if op.matmul])
+    matmul_fwd_executed = _sum([op.global_flops * op.executed_fraction for op in fwd if op.matmul])
     base_global = _sum([op.global_flops for op in fwd + bwd])
     base_local = _sum([op.flops for op in fwd + bwd])
     base_mm = _sum([op.global_flops for op in fwd + bwd if op.matmul])
@@ -299,6 +302,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
         kept_bytes=kept,
         recompute_working_bytes=working,
         matmul_fwd_global_flops=matmul_fwd,
+        matmul_fwd_executed_global_flops=matmul_fwd_executed,
         matmul_global_flops=mm,
         hardware_global_flops=hw,
         compute_flops=local,
@@ -487,6 +491,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     recompute = hw_flops - m * total(whole, "hardware_global_flops", Recompute.NONE)
     flops = {
         "model": model_flops,
+        "model_causal": 3 * m * total(whole, "matmul_fwd_executed_global_flops"),
         "matmul": m * total(whole, "matmul_global_flops", mode),
         "recompute": recompute,
         "hardware": hw_flops,

@@ -176,7 +176,8 @@ def _compute_time(op: Op) -> sp.Expr:
         return _max(op.flops / (peak * eff), stream) + S.kernel_launch_s
     if op.kind is OpKind.ATTENTION:
         eff = S.attention_efficiency
-        return _max(op.flops / (S.peak_flops * eff), stream) + S.kernel_launch_s
+        executed = op.flops * op.executed_fraction
+        return _max(executed / (S.peak_flops * eff), stream) + S.kernel_launch_s
     if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
         return stream + S.kernel_launch_s
     return sp.Integer(0)
@@ -413,6 +414,7 @@ def _derive_time(key: CostKey) -> Program:
     # against the dense peak of the GEMMs' precision (the FP8 peak when they run in FP8)
     peak = S.peak_flops + (2 - S.gemm_bytes) * (S.peak_fp8_flops - S.peak_flops)
     out["mfu"] = costs.flops["model"] / (step * gpus * peak)
+    out["mfu_causal"] = costs.flops["model_causal"] / (step * gpus * peak)
     out["hfu"] = costs.flops["matmul"] / (step * gpus * peak)
     out["achieved_flops_per_gpu"] = costs.flops["matmul"] / (step * gpus)
     # one transformer layer, one micro-batch, with its exposed tensor/context-parallel comm

@@ -265,6 +265,7 @@ def _attention(bw: Backward, op: Op) -> None:
         global_flops=sp.Rational(5, 2) * op.global_flops,
         bytes=2 * (q.local_bytes + k.local_bytes + v.local_bytes) + 2 * out.local_bytes,
         matmul=True,
+        executed_fraction=op.executed_fraction,
         axes_iter=op.axes_iter,
         layout_iter=op.layout_iter,
     )

@@ -32,7 +32,18 @@ from stage_dse.graph.ir import (
 from stage_dse.graph.layout import LayoutOps
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["ForwardOps"]
+__all__ = ["ATTENTION_TILE", "ForwardOps", "causal_fraction"]
+
+ATTENTION_TILE = 128
+"""Query/key block of fused attention kernels: FlashAttention-2 uses 128 x 128 tiles for
+head dimension 128 (Dao, "FlashAttention-2", 2023, sec. 3.3; FlashAttention-3 likewise)."""
+
+
+def causal_fraction(seq: sp.Expr, tile: int = ATTENTION_TILE) -> sp.Expr:
+    """Share of the full ``seq x seq`` score tiles a causal kernel computes: of ``T = seq/tile``
+    tile rows, row ``i`` computes ``i + 1`` tiles (the diagonal tile whole), ``(T + 1) / 2T``
+    = ``1/2 + tile / (2 seq)``; 1 when the sequence fits in one tile."""
+    return sp.Min(1, sp.Rational(1, 2) + sp.Rational(tile, 2) / seq, evaluate=False)
 
 
 class ForwardOps(LayoutOps):
@@ -289,11 +300,14 @@ class ForwardOps(LayoutOps):
         seq_k: Axis,
         out_axes: Sequence[Axis],
         stat_axes: Sequence[Axis],
+        *,
+        causal: bool = False,
     ) -> Tensor:
         """Fused attention kernel: o = softmax(q k^T) v without materializing scores.
 
         Keys and values are needed whole along the key sequence (context parallel ring exchange
         gathers them). Saves q, k, v, o and the fp32 log-sum-exp; backward reruns q k^T.
+        ``causal``: the kernel skips key tiles above the diagonal (:func:`causal_fraction`).
         """
         k_layout = [() if ax == seq_k else ms for ax, ms in zip(k.axes, k.layout)]
         v_layout = [() if ax == seq_k else ms for ax, ms in zip(v.axes, v.layout)]
@@ -332,6 +346,7 @@ class ForwardOps(LayoutOps):
                 + lse.local_bytes,
                 saved=(q, k2, v2, out, lse),
                 matmul=True,
+                executed_fraction=causal_fraction(seq_q.extent) if causal else sp.Integer(1),
                 axes_iter=tuple(idx),
                 layout_iter=tuple(lay[ax] for ax in idx),
             )

@@ -229,6 +229,10 @@ class Op:
     elementwise: Elementwise | None = None
     matmul: bool = False
     """Counts as model flops (einsum / attention)."""
+    executed_fraction: sp.Expr = sp.Integer(1)
+    """Share of ``flops`` the kernel executes: a fused causal attention kernel skips the tiles
+    above the diagonal. Counted flops (``flops``, MFU by Narayanan et al.'s convention) keep
+    the full work; time and the causal MFU use the executed share."""
     axes_iter: tuple[Axis, ...] = ()
     layout_iter: Layout = ()
 

@@ -297,7 +297,9 @@ class _Builder:
         k = g.permute("k_concat", kn, [Bt, Tk, A, Dq], [*kn.layout[:3], ()], weights=kr)
         with g.region(Region.ATTENTION_CORE):
             if self.k.attention is AttentionKernel.FLASH:
-                ctx = g.attention("core_attention", q, k, v, Sq, Tk, [Bt, Sq, A, Dv], [Bt, A, Sq])
+                ctx = g.attention(
+                    "core_attention", q, k, v, Sq, Tk, [Bt, Sq, A, Dv], [Bt, A, Sq], causal=True
+                )
             else:
                 scores = g.einsum("scores", q, k, [Bt, A, Sq, Tk])
                 probs = g.pointwise(SOFTMAX, "softmax", scores)
@@ -433,7 +435,15 @@ class _Builder:
                 with g.region(Region.ATTENTION_CORE):
                     if self.k.attention is AttentionKernel.FLASH:
                         ctx = g.attention(
-                            "core_attention", q, k, v, Sq, Tk, [Bt, Sq, G, R, D], [Bt, G, R, Sq]
+                            "core_attention",
+                            q,
+                            k,
+                            v,
+                            Sq,
+                            Tk,
+                            [Bt, Sq, G, R, D],
+                            [Bt, G, R, Sq],
+                            causal=self.serving != "decode",
                         )
                     else:
                         scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)

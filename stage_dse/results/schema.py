@@ -63,6 +63,7 @@ COST_COLUMNS: dict[str, str] = {
     "mem_total": "mem_total_bytes",
     "mem_headroom_bytes": "mem_headroom_bytes",
     "flops_model": "model_flops",
+    "flops_model_causal": "model_flops_causal",
     "flops_matmul": "matmul_flops",
     "flops_recompute": "recompute_flops",
     "flops_hardware": "hardware_flops",
@@ -78,6 +79,7 @@ COST_COLUMNS: dict[str, str] = {
     "time_optimizer_s": "optimizer_s",
     "tokens_per_s": "tokens_per_s",
     "mfu": "mfu",
+    "mfu_causal": "mfu_causal",
     "hfu": "hfu",
     "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
 }

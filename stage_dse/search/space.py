@@ -1,11 +1,12 @@
 """Search spaces over parallel plans and their vectorized enumeration.
 
-What lives here: :func:`enumerate_plans`, which takes a :class:`~stage_dse.spec.sweep.SearchSpace`
-(the values each plan axis may take; ``"auto"`` means every divisor of the GPU count), lays the cartesian product out as a
-numpy grid, applies the same divisibility rules as :func:`stage_dse.spec.validate_plan` as
-broadcast masks, and returns the valid plans as columns (:class:`stage_dse.cost.table.PlanColumns`,
-or a plan table) together with how many were rejected by which rule (the first rule a plan
-breaks). No per-plan Python loop.
+What lives here: :func:`enumerate_plans`, which takes a
+:class:`~stage_dse.spec.sweep.SearchSpace` (the values each plan axis may take; ``"auto"`` means
+every divisor of the GPU count), lays the cartesian product out as a numpy grid, applies the
+same divisibility rules as :func:`stage_dse.spec.validate_plan` as broadcast masks, and returns
+the valid plans as columns (:class:`stage_dse.cost.table.PlanColumns`, or a plan table) together
+with how many were rejected by which rule (the first rule a plan breaks). No per-plan Python
+loop.
 """
 
 from __future__ import annotations
