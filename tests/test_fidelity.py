@@ -84,3 +84,17 @@ def test_causal_kernel_shortens_long_context_steps():
     assert executed < counted
     assert long["time_step_s"] / short["time_step_s"] < counted
     assert math.isfinite(long["mfu_causal"])
+
+
+# --------------------------------------------------------------------------- gradient dtype
+@pytest.mark.parametrize(("grads", "per_param"), [("bf16", 2), ("fp32", 4)])
+def test_data_parallel_gradient_reduction_moves_gradient_bytes(grads, per_param):
+    """Megatron-LM accumulates and all-reduces fp32 main gradients: 4 bytes per parameter."""
+    model = load_model("llama3_8b")
+    training = TrainingSpec(seq_len=4096, global_batch_size=64, grads_dtype=grads)
+    r = evaluate_plan(model, training, ParallelPlan(dp=8))
+    assert r["comm_all_reduce_cp-ep-dp"] == pytest.approx(per_param * r["params_total"])
+    # ZeRO-1/2 reduce-scatter the same gradients; the updated 16-bit weights are gathered
+    r1 = evaluate_plan(model, training, ParallelPlan(dp=8, zero_stage=1))
+    assert r1["comm_reduce_scatter_cp-ep-dp"] == pytest.approx(per_param * r["params_total"])
+    assert r1["comm_all_gather_cp-ep-dp"] == pytest.approx(2 * r["params_total"])

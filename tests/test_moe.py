@@ -202,7 +202,8 @@ def test_ep_comm_overlap_hides_all_to_alls_behind_compute():
     assert off["time_ep_comm_s"] > 0
     expected = max(0.0, off["time_ep_comm_s"] - off["time_compute_s"])
     assert on["time_ep_comm_s"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    assert on["time_compute_s"] == off["time_compute_s"]
+    # two separately compiled families: equal up to rounding
+    assert on["time_compute_s"] == pytest.approx(off["time_compute_s"], rel=1e-12)
     assert on["time_step_s"] == pytest.approx(
         off["time_step_s"] - (off["time_ep_comm_s"] - on["time_ep_comm_s"]), rel=1e-9
     )

@@ -47,13 +47,19 @@ class Backward:
         self.grads = grads
         self.regathered: dict = {}
 
+    def grad_dtype(self, t: Tensor) -> sp.Expr:
+        """Bytes per element of ``t``'s gradient: a parameter's follow the gradient dtype."""
+        if t.role is Role.WEIGHT and self.g.grad_bytes is not None:
+            return sp.Integer(self.g.grad_bytes)
+        return t.dtype_bytes
+
     def grad_like(self, t: Tensor, layout: Layout, partial: Iterable[MeshAxis] = ()) -> Tensor:
         return Tensor(
             name=f"d_{t.name}",
             role=Role.GRAD if t.role is Role.WEIGHT else Role.ACTIVATION_GRAD,
             axes=t.axes,
             layout=layout,
-            dtype_bytes=t.dtype_bytes,
+            dtype_bytes=self.grad_dtype(t),
             scope=self.g._scope,
             partial=frozenset(partial),
         )
@@ -236,6 +242,7 @@ def _einsum(bw: Backward, op: Op) -> None:
             role=Role.GRAD if this.role is Role.WEIGHT else Role.ACTIVATION_GRAD,
             phase=Phase.BACKWARD,
             save=False,
+            out_dtype_bytes=bw.grad_dtype(this),
         )
         # operands already share one iteration layout, so the gradient lands in the
         # primal's layout with any partial sum still pending

@@ -30,8 +30,11 @@ __all__ = ["Graph"]
 class Graph(ForwardOps):
     """Records forward ops of one model section and derives backward and its collectives."""
 
-    def __init__(self) -> None:
+    def __init__(self, grad_bytes: int | None = None) -> None:
         super().__init__()
+        self.grad_bytes = grad_bytes
+        """Bytes per element of parameter gradients (fp32 main grads: 4), which the weight-
+        gradient GEMMs write and the data-parallel collectives move; None: the parameter's."""
         self.weights: list[Tensor] = []
         self.block_input: Tensor | None = None
         self.loss: Tensor | None = None

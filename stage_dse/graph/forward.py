@@ -117,8 +117,11 @@ class ForwardOps(LayoutOps):
         phase: Phase = Phase.FORWARD,
         recompute: bool = False,
         save: bool = True,
+        out_dtype_bytes: sp.Expr | int | None = None,
     ) -> Tensor:
-        """Contract ``a`` and ``b`` onto ``out_axes``; flops are 2 x the iteration-space size."""
+        """Contract ``a`` and ``b`` onto ``out_axes``; flops are 2 x the iteration-space size.
+        The output has ``a``'s element size unless ``out_dtype_bytes`` says otherwise (a weight
+        gradient accumulated in fp32)."""
         assert not a.partial and not b.partial, (name, a.partial, b.partial)
         idx = dedupe([*a.axes, *b.axes])
         out_axes = tuple(out_axes)
@@ -147,7 +150,7 @@ class ForwardOps(LayoutOps):
             role,
             out_axes,
             [it[ax] for ax in out_axes],
-            a.dtype_bytes,
+            a.dtype_bytes if out_dtype_bytes is None else out_dtype_bytes,
             partial=partial,
         )
         local = sp.Mul(*[ax.extent / degree(it[ax]) for ax in idx])

@@ -161,7 +161,7 @@ class ModelGraphs:
 class _Builder:
     def __init__(self, key: GraphKey, serving: str | None = None, kv_bytes: int = 2) -> None:
         self.k = key
-        self.g = Graph()
+        self.g = Graph(grad_bytes=key.grad_bytes)
         self.pb = key.param_bytes
         self.serving = serving
         """None (training), "prefill" or "decode": forward only, attention over a KV cache."""
