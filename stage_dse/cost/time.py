@@ -27,10 +27,20 @@ Model, in order of the terms of ``time_step_s``:
   critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``, all-to-alls
   behind another micro-batch's compute with ``ep_comm_overlap``, as DeepSeek-V3's DualPipe
   pairs a forward and a backward chunk); the
-  context-parallel ring hides behind attention compute; ZeRO-3
-  gathers and ZeRO-2/3 reduce-scatters prefetch behind the micro-batch's compute; pipeline
-  send/recv is exposed, and so is the all-reduce of tied word-embedding gradients between the
-  first and last stage once per step (``pp_comm_s`` holds both).
+  context-parallel ring hides behind attention compute; pipeline send/recv is exposed, and so
+  is the all-reduce of tied word-embedding gradients between the first and last stage once per
+  step (``pp_comm_s`` holds both).
+* **ZeRO-3 / FSDP schedule** (Rajbhandari et al. SC20 sec. 7.2.2; Zhao et al., "PyTorch FSDP",
+  VLDB 2023, sec. 3.3-3.4): every micro-batch, each layer's parameters are all-gathered before
+  its forward, gathered again before its backward (and its recompute), and its gradients
+  reduce-scattered after its backward (parameters are resharded after forward). With a
+  prefetch depth of one layer, layer ``i+1``'s gather runs under layer ``i``'s compute and
+  layer ``i+1``'s reduce-scatter under layer ``i``'s backward; the backward regather and
+  reduce-scatter share the NIC, so their times add. What a layer's collectives take beyond its
+  neighbour's compute is exposed, layer by layer and phase by phase (a sum over layers, not one
+  max over the micro-batch); the first gather and the last reduce-scatter of each micro-batch
+  are exposed whole. ZeRO-2's per-micro-batch reduce-scatter follows the same rule; its
+  parameter all-gather happens once per step, after the optimizer.
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
   slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``.
 * **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
@@ -222,8 +232,10 @@ class SectionTime:
     cp_comm: sp.Expr
     ep_comm: sp.Expr
     """Expert-parallel all-to-all (dispatch and combine): on the critical path."""
-    zero_comm: sp.Expr
-    """Per-micro-batch collectives over the data axes (ZeRO-2/3)."""
+    zero_fwd_comm: sp.Expr
+    """Per-micro-batch collectives over the data axes in forward (ZeRO-3 parameter gathers)."""
+    zero_bwd_comm: sp.Expr
+    """... in backward: ZeRO-3 regathers (recompute included) and ZeRO-2/3 reduce-scatters."""
     grad_sync_step: sp.Expr
     param_gather_step: sp.Expr
     optimizer_step: sp.Expr
@@ -244,8 +256,10 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
             if op.group & DATA:
                 if op.frequency is Frequency.PER_STEP:
                     name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
+                elif op.phase is Phase.FORWARD and not is_rerun:
+                    name = "zero_fwd_comm"
                 else:
-                    name = "zero_comm"
+                    name = "zero_bwd_comm"
             elif op.group == {MeshAxis.CP}:
                 name = "cp_comm"
             elif MeshAxis.EP in op.group:
@@ -275,7 +289,8 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
         tp_comm=_sum(acc["tp_comm"]),
         cp_comm=_sum(acc["cp_comm"]),
         ep_comm=_sum(acc["ep_comm"]),
-        zero_comm=_sum(acc["zero_comm"]),
+        zero_fwd_comm=_sum(acc["zero_fwd_comm"]),
+        zero_bwd_comm=_sum(acc["zero_bwd_comm"]),
         grad_sync_step=_sum(acc["grad_sync_step"]),
         param_gather_step=_sum(acc["param_gather_step"]),
         optimizer_step=_sum(acc["optimizer_step"]),
@@ -340,6 +355,15 @@ def _derive_time(key: CostKey) -> Program:
         ep = tot("ep_comm")
         if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
             ep = _max(0, ep - compute)
+        # ZeRO-2/3: each layer's collectives overlap only the neighbouring layer's compute
+        # (prefetch depth one), so what exceeds it is exposed layer by layer; the first layer's
+        # gather and the last reduce-scatter of a micro-batch have nothing to hide behind
+        zero = _sum(
+            [
+                k * (_max(0, sec.zero_fwd_comm - sec.fwd) + _max(0, sec.zero_bwd_comm - sec.bwd))
+                for sec, k in parts
+            ]
+        ) + (blk.zero_fwd_comm + blk.zero_bwd_comm)
         return {
             "compute": compute,
             "fwd": fwd,
@@ -347,7 +371,7 @@ def _derive_time(key: CostKey) -> Program:
             "tp": define(f"{label}_tp", tp),
             "ep": define(f"{label}_ep", ep),
             "cp": define(f"{label}_cp", _max(0, tot("cp_comm") - tot("attention"))),
-            "zero": define(f"{label}_zero", _max(0, tot("zero_comm") - compute)),
+            "zero": define(f"{label}_zero", zero),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
             "param_gather": define(f"{label}_param_gather", tot("param_gather_step")),
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
