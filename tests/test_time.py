@@ -299,6 +299,19 @@ def test_validation_against_published_tables():
     assert fwd_err.max() < 0.1 and bwd_err.max() < 0.15
 
 
+def test_validate_command_prints_both_summary_lines(capsys):
+    from stage_dse.cli.validate import main
+
+    assert main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    t1 = next(line for line in lines if line.startswith("table1 "))
+    t4 = next(line for line in lines if line.startswith("table4 "))
+    for line in (t1, t4):
+        fields = dict(kv.split("=") for kv in line.split()[1:])
+        assert set(fields) == {"mean_abs_err_pct", "max_abs_err_pct"}
+        assert 0 < float(fields["mean_abs_err_pct"]) <= float(fields["max_abs_err_pct"]) < 10
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

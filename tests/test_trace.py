@@ -15,7 +15,6 @@ from stage_dse.cli.trace import main as trace_main
 from stage_dse.cli.trace import select_and_write
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import evaluate_plan
-from stage_dse.errors import ConfigError
 from stage_dse.results import ResultStore, load
 from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
 from stage_dse.search import SearchSpace
@@ -281,12 +280,17 @@ def test_interleaved_trace_set(tmp_path):
     m = TINY_TRAIN.global_batch_size // 2
     assert recvs and all(r["comm_src"] == 4 for r in recvs)
     assert len(recvs) == 3 * m
-    with pytest.raises(ConfigError, match="divisible by pp"):
-        tiny_cfg(
-            ParallelPlan(dp=1, pp=2, schedule="interleaved", virtual_stages=2),
-            model=gpt(layers=6, hidden=256, heads=4, vocab=1024),
-            training=TrainingSpec(seq_len=128, global_batch_size=8),
-        )
+    # chunks of unequal size (6 layers over 2 x 2 virtual stages: 1, 2, 2, 1) are traced too
+    uneven = tiny_cfg(
+        ParallelPlan(dp=1, pp=2, schedule="interleaved", virtual_stages=2),
+        model=gpt(layers=6, hidden=256, heads=4, vocab=1024),
+        training=TrainingSpec(seq_len=128, global_batch_size=8),
+    )
+    write_trace_set(uneven, tmp_path / "uneven")
+    assert check_trace_dir(tmp_path / "uneven") == []
+    manifest = json.loads((tmp_path / "uneven" / "manifest.json").read_text())
+    assert manifest["stage_layers"] == [3, 3]
+    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
 
 
 @pytest.mark.parametrize(("pp", "m", "v"), [(4, 8, 1), (4, 8, 2), (2, 4, 3), (4, 4, 2)])

@@ -100,6 +100,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         attention=str(row["attention"]),
         schedule=str(row["schedule"]),
         virtual_stages=int(row["virtual_stages"]),
+        stage_layers=str(row["stage_layers"]),
         rank_order=str(row["rank_order"]),
         overlap_grad_reduce=bool(row["overlap_grad_reduce"]),
         overlap_param_gather=bool(row["overlap_param_gather"]),
@@ -228,6 +229,7 @@ def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 
     one = {}
     for name in ("tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size",
                  "zero_stage", "recompute", "sequence_parallel", "attention", "virtual_stages",
+                 "stage_layers",
                  "rank_order"):  # fmt: skip
         values = getattr(sp_, name)
         if isinstance(values, str) or len(values) != 1:

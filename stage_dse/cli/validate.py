@@ -43,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     errs = np.abs(t1["err_pct"].to_numpy())
     print(f"table1 mean_abs_err_pct={errs.mean():.2f} max_abs_err_pct={errs.max():.2f}")
+    # Table 4: forward and backward of every experiment, 10 times in all
+    t4_errs = np.abs(
+        100
+        * np.concatenate(
+            [
+                t4["predicted_forward_ms"] / t4["forward_ms"] - 1,
+                t4["predicted_backward_ms"] / t4["backward_ms"] - 1,
+            ]
+        )
+    )
+    print(f"table4 mean_abs_err_pct={t4_errs.mean():.2f} max_abs_err_pct={t4_errs.max():.2f}")
     return 0
 
 

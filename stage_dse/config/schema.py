@@ -125,6 +125,8 @@ class PlanConf:
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
     attention: list[str] = field(default_factory=lambda: ["flash"])
     virtual_stages: list[int] = field(default_factory=lambda: [1])
+    stage_layers: list[Any] = field(default_factory=lambda: ["balanced"])
+    """Layer splits over pipeline stages: balanced, ceil, or lists of layers per virtual stage."""
     rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
@@ -274,6 +276,12 @@ def to_search_space(plan: dict) -> SearchSpace:
         v = data[name]
         if not isinstance(v, list | tuple):
             data[name] = [v]
+    splits = data.get("stage_layers", ["balanced"])
+    if isinstance(splits, str) or (
+        isinstance(splits, list | tuple) and splits and all(isinstance(x, int) for x in splits)
+    ):
+        splits = [splits]  # one split given alone
+    data["stage_layers"] = splits
     return _spec("plan", SearchSpace, data)
 
 

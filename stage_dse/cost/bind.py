@@ -24,6 +24,7 @@ from stage_dse.spec import (
     check_gemm_dtype,
     validate_plan,
 )
+from stage_dse.spec.stages import stage_values
 
 __all__ = ["bind", "bind_hardware", "evaluate_plan", "model_values", "moe_values"]
 
@@ -60,6 +61,7 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
         "cp": plan.cp,
         "ep": plan.ep,
         "virtual_stages": plan.virtual_stages,
+        **stage_values(model.num_layers, plan.pp, plan.virtual_stages, plan.stage_layers),
     }
 
 

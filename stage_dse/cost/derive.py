@@ -8,16 +8,19 @@ Conventions:
 
 * Everything is per optimizer step of ``global_batch`` sequences, per GPU of the heaviest
   pipeline stage, unless a name says ``global`` (summed over all GPUs).
-* A stage holds ``ceiling(layers / pp)`` layers (uneven splits are bounded by the fuller stage);
-  the first stage also holds the embeddings, the last the final norm, output layer and loss.
+* Layers spread over stages as ``plan.stage_layers`` says (:mod:`stage_dse.spec.stages`, the
+  split traces use too); the first stage also holds the embeddings, the last the final norm,
+  output layer and loss. Memory is that of the heaviest stage among the first, the last and
+  two middle candidates (``mem_stage`` says which).
 * Activations kept for backward are the tensors the forward ops save (:attr:`Op.saved`),
   de-duplicated, with all-gathered tensors replaced by their sources (they are gathered again in
   backward). Under selective recompute the attention-core tensors are dropped and the core is
   rerun; under full recompute each layer keeps only its input and reruns its forward (Korthikanti
   et al., MLSys 2023, sec. 4-5). Embedding and head are never recomputed.
-* In-flight micro-batches: the first stage of 1F1B holds ``min(pp, m)`` of them; interleaving
-  with ``v`` chunks multiplies that by ``1 + (pp - 1) / (pp * v)`` (Korthikanti et al. sec. 4.2.3,
-  from Narayanan et al. SC21).
+* In-flight micro-batches: stage ``i`` of 1F1B holds ``min(pp - i, m)`` of them; interleaving
+  with ``v`` chunks holds ``2 (pp - i - 1) + (v - 1) pp + 1`` chunks of ``1/v`` of its layers,
+  at the first stage ``pp (1 + (pp - 1) / (pp v))`` micro-batches (Korthikanti et al.
+  sec. 4.2.3, from Narayanan et al. SC21).
 * Model states follow Rajbhandari et al. (ZeRO, SC20, sec. 5): 16-bit weights and gradients,
   ``master + optimizer states`` bytes per parameter, sharded over the dp x cp group by stage.
 """
@@ -392,21 +395,25 @@ def _derive(key: CostKey) -> TrainingCosts:
 
     L, pp, v = S.layers, S.pp, S.virtual_stages
     m = S.global_batch / (S.dp * S.micro_batch)
-    per_stage = sp.ceiling(L / pp)
+    # the layer split (stage_dse.spec.stages): first, last, and two middle stages, the one with
+    # the most layers and the one with the most layer-micro-batches of activations in flight
+    first_layers, last_layers = S.first_layers, S.last_layers
     single = _is_one(pp)
     multi = 1 - single
+    has_mid = _min(1, _max(0, pp - 2))
     data = S.dp * S.cp
     expert_data = S.dp / S.ep * S.cp
     zero = key.graph.zero_stage
     # layers: dense ones (a mixture-of-experts model may start with them) sit on the first stage
     dense_total = S.dense_layers if dns is not None else sp.Integer(0)
     block_total = L - dense_total
-    dense_first = _min(dense_total, per_stage) if dns is not None else sp.Integer(0)
-    block_first = per_stage - dense_first
-    # (section, count) of the whole model, the first stage and the last stage
+    dense_first = _min(dense_total, first_layers) if dns is not None else sp.Integer(0)
+    block_first = first_layers - dense_first
+    # (section, count) of the whole model, the first stage and the last stage; middle stages
+    # are counted as blocks (leading dense layers beyond the first stage are lighter)
     whole = [(emb, 1), (blk, block_total), (head, 1)]
     first_parts = [(emb, 1), (blk, block_first), (head, single)]
-    last_parts = [(blk, per_stage), (head, 1)]
+    last_parts = [(blk, last_layers), (head, 1)]
     if dns is not None:
         whole.insert(1, (dns, dense_total))
         first_parts.insert(1, (dns, dense_first))
@@ -461,29 +468,73 @@ def _derive(key: CostKey) -> TrainingCosts:
             "optimizer": sharded(dense, expert, zero >= 1) * ob,
         }
 
-    first_states = states(first_parts, head_unique_numel, head_unique_mp)
-    last_states = states(last_parts, head.weights_numel, head.model_parallel_numel)
-    inflight = _min(pp, m)
-    if key.schedule is PipelineSchedule.INTERLEAVED:
-        inflight = inflight * (1 + (pp - 1) / (pp * v))
+    def inflight(stage: sp.Expr) -> sp.Expr:
+        """Micro-batches of a stage's activations alive at its peak (layer-weighted): 1F1B
+        holds pp - stage; the interleaved schedule 2(pp - stage - 1) + (v - 1) pp + 1 chunks
+        of 1/v of the stage's layers (Narayanan et al. SC21 sec. 2.2; at stage 0 this is
+        Korthikanti et al.'s pp (1 + (pp - 1) / (pp v)))."""
+        if key.schedule is PipelineSchedule.INTERLEAVED:
+            return _min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
+        return _min(pp - stage, m)
+
     working = blk.recompute_working_bytes[mode]
     if dns is not None:
         working = _max(working, dns.recompute_working_bytes[mode])
-    first_act = (
-        inflight
-        * total([(sec, c) for sec, c in first_parts if sec is not head], "kept_bytes", mode)
-        + single * head.kept_bytes[mode]
-    )
-    last_act = total(last_parts, "kept_bytes", mode)
-    first = {**first_states, "activations": first_act, "recompute_working": working}
-    last = {**last_states, "activations": last_act, "recompute_working": working}
-    first_total = _sum(first.values())
-    last_total = multi * _sum(last.values())
-    first_is_worst = sp.Ge(first_total, last_total)
-    memory = {k: sp.Piecewise((first[k], first_is_worst), (last[k], True)) for k in first}
-    memory["total"] = _max(first_total, last_total)
-    memory["first_stage_total"] = first_total
-    memory["last_stage_total"] = _sum(last.values())
+
+    def stage_memory(parts, head_numel, head_mp, index, head_kept) -> dict[str, sp.Expr]:
+        body = [(sec, c) for sec, c in parts if sec is not head]
+        act = inflight(index) * total(body, "kept_bytes", mode) + head_kept
+        return {
+            **states(parts, head_numel, head_mp),
+            "activations": act,
+            "recompute_working": working,
+        }
+
+    candidates = [
+        (
+            sp.Integer(0),
+            sp.Integer(1),
+            stage_memory(
+                first_parts,
+                head_unique_numel,
+                head_unique_mp,
+                0,
+                single * head.kept_bytes[mode],
+            ),
+        ),
+        (
+            pp - 1,
+            multi,
+            stage_memory(
+                last_parts,
+                head.weights_numel,
+                head.model_parallel_numel,
+                pp - 1,
+                head.kept_bytes[mode],
+            ),
+        ),
+    ]
+    for index, layers in ((S.mid_stage, S.mid_layers), (S.act_stage, S.act_layers)):
+        candidates.append((index, has_mid, stage_memory([(blk, layers)], 0, 0, index, 0)))
+    totals = [on * _sum(parts.values()) for _, on, parts in candidates]
+    memory = {}
+    for k in candidates[0][2]:
+        pieces = []
+        for i, (_, _, parts) in enumerate(candidates[:-1]):
+            heaviest = sp.And(*[sp.Ge(totals[i], totals[j]) for j in range(i + 1, len(totals))])
+            pieces.append((parts[k], heaviest))
+        pieces.append((candidates[-1][2][k], True))
+        memory[k] = sp.Piecewise(*pieces)
+    memory["total"] = _max(*totals)
+    heaviest_stage = []
+    for i, (index, _, _) in enumerate(candidates[:-1]):
+        heaviest = sp.And(*[sp.Ge(totals[i], totals[j]) for j in range(i + 1, len(totals))])
+        heaviest_stage.append((index, heaviest))
+    heaviest_stage.append((candidates[-1][0], True))
+    # the index of the pipeline stage whose memory is reported (the heaviest)
+    memory["stage"] = sp.Piecewise(*heaviest_stage)
+    memory["first_stage_total"] = totals[0]
+    memory["last_stage_total"] = _sum(candidates[1][2].values())
 
     # flops per step over all GPUs (matmuls: forward x 3 is the "model flops" of MFU)
     model_flops = 3 * m * total(whole, "matmul_fwd_global_flops")
@@ -502,7 +553,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     stage = {
         "first_flops": total(first_parts, "compute_flops", mode),
         "last_flops": total(last_parts, "compute_flops", mode),
-        "layers": per_stage,
+        "block_flops": blk.compute_flops[mode],
         "microbatches": m,
         "boundary_bytes": graphs.boundary.local_bytes,
     }

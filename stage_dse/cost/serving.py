@@ -128,7 +128,8 @@ def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
 def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     """Named serving outputs over the symbols (``serve_*``)."""
     L, pp = S.layers, S.pp
-    per_stage = sp.ceiling(L / pp)
+    # layers on the fullest stage under the plan's split (stage_dse.spec.stages)
+    per_stage = sp.Max(S.first_layers, S.last_layers, S.mid_layers)
     single = sp.Max(0, 2 - pp)
     out: dict[str, sp.Expr] = {}
     passes = {}
@@ -158,9 +159,12 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
             "kv_local": blk["kv_local"],
         }
         if mode == "decode":
-            weights_first = emb["weights"] + per_stage * blk["weights"] + single * head["weights"]
-            weights_last = per_stage * blk["weights"] + head["weights"]
-            out["serve_weights_bytes"] = sp.Max(weights_first, weights_last)
+            weights_first = (
+                emb["weights"] + S.first_layers * blk["weights"] + single * head["weights"]
+            )
+            weights_last = S.last_layers * blk["weights"] + head["weights"]
+            weights_mid = S.mid_layers * blk["weights"]
+            out["serve_weights_bytes"] = sp.Max(weights_first, weights_last, weights_mid)
     dec, pre = passes["decode"], passes["prefill"]
     batch = S.micro_batch * S.dp
     # per token per layer, from the cache tensors: [batch, context, kv heads, head dim]

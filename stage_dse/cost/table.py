@@ -173,6 +173,7 @@ def config_row(
             "zero_stage": plan.zero_stage,
             "recompute": plan.recompute.value,
             "schedule": plan.schedule.value,
+            "stage_layers": plan.stage_layers,
             "rank_order": "-".join(a.value for a in plan.rank_order),
             "overlap_grad_reduce": plan.overlap_grad_reduce,
             "overlap_param_gather": plan.overlap_param_gather,

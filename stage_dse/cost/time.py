@@ -42,7 +42,10 @@ Model, in order of the terms of ``time_step_s``:
   are exposed whole. ZeRO-2's per-micro-batch reduce-scatter follows the same rule; its
   parameter all-gather happens once per step, after the optimizer.
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
-  slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``.
+  slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``. Stages hold the layers
+  ``plan.stage_layers`` gives them (:mod:`stage_dse.spec.stages`); the first (with the
+  embeddings), the last (with the output layer and loss) and the fullest middle stage are
+  timed, and the slowest sets the pace.
 * **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
   backward with ``overlap_grad_reduce`` (the last bucket, one layer's worth, stays exposed);
   ZeRO-1/2's parameter all-gather hides behind the next forward with ``overlap_param_gather``.
@@ -336,10 +339,10 @@ def _derive_time(key: CostKey) -> Program:
         )
     emb, blk, head = sections["emb"], sections["blk"], sections["head"]
     dns = sections.get("dns")
-    L, pp, v = S.layers, S.pp, S.virtual_stages
-    per_stage = sp.ceiling(L / pp)
+    pp, v = S.pp, S.virtual_stages
     single = _max(0, 2 - pp)
-    dense_first = _min(S.dense_layers, per_stage) if dns is not None else sp.Integer(0)
+    has_mid = _min(1, _max(0, pp - 2))
+    dense_first = _min(S.dense_layers, S.first_layers) if dns is not None else sp.Integer(0)
     m = S.global_batch / (S.dp * S.micro_batch)
 
     def stage(label: str, parts: list[tuple[SectionTime, sp.Expr]]) -> dict[str, sp.Expr]:
@@ -377,11 +380,15 @@ def _derive_time(key: CostKey) -> Program:
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
         }
 
-    first_parts = [(blk, per_stage - dense_first), (emb, 1), (head, single)]
+    # the layer split (stage_dse.spec.stages): first, last and the fullest middle stage
+    first_parts = [(blk, S.first_layers - dense_first), (emb, 1), (head, single)]
     if dns is not None:
         first_parts.append((dns, dense_first))
-    first = stage("first", first_parts)
-    last = stage("last", [(blk, per_stage), (head, 1)])
+    stages = {
+        "first": (stage("first", first_parts), S.first_layers, sp.Integer(1)),
+        "last": (stage("last", [(blk, S.last_layers), (head, 1)]), S.last_layers, 1 - single),
+        "mid": (stage("mid", [(blk, S.mid_layers)]), S.mid_layers, has_mid),
+    }
     # Each micro-batch crosses a stage boundary forward and backward once per model chunk.
     # Without sequence parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al.
     # sec. 4.1) sends a 1/tp slice over the network and all-gathers it over the tp group.
@@ -404,22 +411,35 @@ def _derive_time(key: CostKey) -> Program:
     def mb_time(st: dict[str, sp.Expr]) -> sp.Expr:
         return st["compute"] + st["tp"] + st["ep"] + st["cp"] + st["zero"] + p2p
 
-    t_first = define("t_mb_first", mb_time(first))
-    t_last = define("t_mb_last", mb_time(last))
-    first_slow = sp.Ge(t_first, t_last)
+    # every stage runs every micro-batch: the slowest stage sets the pace
+    t = {name: on * define(f"t_mb_{name}", mb_time(st)) for name, (st, _, on) in stages.items()}
+    slowest = {
+        "first": sp.And(sp.Ge(t["first"], t["last"]), sp.Ge(t["first"], t["mid"])),
+        "last": sp.Ge(t["last"], t["mid"]),
+    }
 
     def pick(name: str) -> sp.Expr:
-        return sp.Piecewise((first[name], first_slow), (last[name], True))
+        st = {k: s for k, (s, _, _) in stages.items()}
+        return sp.Piecewise(
+            (st["first"][name], slowest["first"]),
+            (st["last"][name], slowest["last"]),
+            (st["mid"][name], True),
+        )
 
-    t_mb = _max(t_first, t_last)
+    t_mb = _max(*t.values())
     bubble_mb = (pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1
-    # data-parallel collectives of the heavier stage (the first holds the embeddings)
-    grad_sync = _max(first["grad_sync"], last["grad_sync"])
-    param_gather = _max(first["param_gather"], last["param_gather"])
-    if key.overlap_grad_reduce:
-        grad_sync = _max(grad_sync - pick("bwd"), grad_sync / per_stage)
-    if key.overlap_param_gather:
-        param_gather = _max(param_gather - pick("fwd"), param_gather / per_stage)
+    # data-parallel collectives of each stage overlap its own backward / forward except for the
+    # last bucket (one layer's worth); the step waits for the slowest stage's
+    grad_syncs, param_gathers = [], []
+    for st, layers, on in stages.values():
+        g, p = st["grad_sync"], st["param_gather"]
+        if key.overlap_grad_reduce:
+            g = _max(g - st["bwd"], g / _max(1, layers))
+        if key.overlap_param_gather:
+            p = _max(p - st["fwd"], p / _max(1, layers))
+        grad_syncs.append(on * g)
+        param_gathers.append(on * p)
+    grad_sync, param_gather = _max(*grad_syncs), _max(*param_gathers)
     out: dict[str, sp.Expr] = {
         "compute_s": m * pick("compute"),
         "tp_comm_s": m * pick("tp"),
@@ -429,7 +449,7 @@ def _derive_time(key: CostKey) -> Program:
         "pp_comm_s": m * p2p + emb_sync,
         "bubble_s": bubble_mb * t_mb,
         "dp_comm_s": grad_sync + param_gather,
-        "optimizer_s": _max(first["optimizer"], last["optimizer"]),
+        "optimizer_s": _max(*[on * st["optimizer"] for st, _, on in stages.values()]),
     }
     step = define("step", _sum(out.values()))
     out["step_s"] = step

@@ -69,6 +69,19 @@ class Symbols:
     cp = _sym("cp")
     ep = _sym("ep")
     virtual_stages = _sym("virtual_stages")
+    # the layer split over pipeline stages (stage_dse.spec.stages.stage_values)
+    first_layers = _sym("first_layers")
+    """Layers on the first pipeline stage (all chunks)."""
+    last_layers = _sym("last_layers")
+    """Layers on the last pipeline stage (all chunks)."""
+    mid_layers = _count("mid_layers")
+    """Most layers on a middle stage (0 without middle stages)."""
+    mid_stage = _count("mid_stage")
+    """Index of the first middle stage with ``mid_layers``."""
+    act_layers = _count("act_layers")
+    """Layers on the middle stage with the most layer-micro-batches in flight."""
+    act_stage = _count("act_stage")
+    """Its index."""
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)

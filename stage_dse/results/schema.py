@@ -17,6 +17,7 @@ import pyarrow as pa
 from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
 from stage_dse.cost.derive import EMBEDDING_GROUP
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
+from stage_dse.spec.stages import STAGE_SYMBOLS
 
 __all__ = [
     "CONFIG_COLUMNS",
@@ -39,15 +40,17 @@ INT_CONFIG = {
     "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage", "param_bytes",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
-    "gemm_bytes",
+    "gemm_bytes", *STAGE_SYMBOLS,
 }  # fmt: skip
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap", "moe", "has_shared_experts",
     "has_dense_layers", "expert_tensor_parallel", "mla",
 }  # fmt: skip
+PLAN_LABEL_COLUMNS = ("stage_layers",)
+"""Plan choices that are neither a symbol nor structural (they bind symbol values)."""
 CONFIG_COLUMNS: tuple[str, ...] = tuple(
-    dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS))
+    dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS, *PLAN_LABEL_COLUMNS))
 )
 """Everything that identifies a configuration (hashed into ``config_hash``)."""
 
@@ -62,6 +65,7 @@ COST_COLUMNS: dict[str, str] = {
     "mem_recompute_working": "mem_recompute_working_bytes",
     "mem_total": "mem_total_bytes",
     "mem_headroom_bytes": "mem_headroom_bytes",
+    "mem_stage": "mem_stage",
     "flops_model": "model_flops",
     "flops_model_causal": "model_flops_causal",
     "flops_matmul": "matmul_flops",
@@ -109,7 +113,7 @@ COMM_COLUMNS = (
 
 STRING_CONFIG = {
     "workload", "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
-    "schedule", "rank_order",
+    "schedule", "rank_order", "stage_layers",
 }  # fmt: skip
 LABEL = pa.dictionary(pa.int32(), pa.string())
 """Repetitive text columns are dictionary-encoded (they load as pandas categoricals)."""
@@ -137,7 +141,7 @@ _fields += [
     pa.field("package_version", LABEL),
     pa.field("trace_dir", pa.string()),
 ]
-HASH_SCHEME = "3"
+HASH_SCHEME = "4"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
 whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
 HASH_SCHEME_KEY = b"stage_dse.hash_scheme"
@@ -213,6 +217,7 @@ def _stable64(text: str) -> np.uint64:
 
 PLAN_CONFIG = {
     "num_gpus", "micro_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", *PLAN_KEY_COLUMNS,
+    *PLAN_LABEL_COLUMNS, *STAGE_SYMBOLS,
 }  # fmt: skip
 HASH_ORDER: tuple[str, ...] = (
     *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG),

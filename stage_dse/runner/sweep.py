@@ -217,7 +217,7 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
     if by == "gpu_seconds":
         ok = ok.assign(gpu_seconds=ok["step_s"] * ok["num_gpus"])
     best = ok.sort_values([by, "mem_total_bytes"]).head(k)
-    return pd.DataFrame(
+    table = pd.DataFrame(
         {
             "model": best["model"],
             "hardware": best["hardware"],
@@ -237,4 +237,7 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
             "mem_gib": (best["mem_total_bytes"] / GIB).round(1),
             "headroom_gib": (best["mem_headroom_bytes"] / GIB).round(1),
         }
-    ).reset_index(drop=True)
+    )
+    if best["stage_layers"].nunique() > 1:  # a sweep over layer splits: say which
+        table.insert(13, "split", best["stage_layers"].astype(str))
+    return table.reset_index(drop=True)

@@ -30,6 +30,7 @@ from stage_dse.runner.evaluate import error_rows, evaluate_batch, finalize_rows,
 from stage_dse.runner.executors import Executor
 from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec import ParallelPlan
+from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import OBJECTIVES, OptunaSpec, SweepSpec, divisors
 
 __all__ = ["OBJECTIVES", "run_optuna"]
@@ -90,6 +91,7 @@ def run_optuna(
         "sequence_parallel": list(space.sequence_parallel),
         "attention": list(space.attention),
         "virtual_stages": sorted(set(space.virtual_stages)),
+        "stage_layers": list(space.stage_layers),
         "rank_order": list(space.rank_order),
     }
     if model.is_moe:
@@ -155,6 +157,7 @@ def run_optuna(
                     attention=p["attention"],
                     schedule="interleaved" if v > 1 else "1f1b",
                     virtual_stages=v,
+                    stage_layers=p["stage_layers"],
                     rank_order=p["rank_order"],
                     overlap_grad_reduce=space.overlap_grad_reduce,
                     overlap_param_gather=space.overlap_param_gather,
@@ -236,6 +239,14 @@ def run_optuna(
     return report
 
 
+def _stage_values_or_zero(model, p: dict) -> dict[str, int]:
+    """The split's symbol values, zeros where the trial's split does not fit its stages."""
+    try:
+        return stage_values(model.num_layers, p["pp"], p["virtual_stages"], p["stage_layers"])
+    except ConfigError:
+        return dict.fromkeys(STAGE_SYMBOLS, 0)
+
+
 def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
     """Configuration columns of a plan that failed validation (recorded as an invalid row)."""
     from stage_dse.cost.bind import bind_hardware, model_values
@@ -259,6 +270,8 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "ep": p.get("ep", 1),
             "expert_tensor_parallel": p.get("expert_tensor_parallel", False),
             "virtual_stages": p["virtual_stages"],
+            "stage_layers": p["stage_layers"],
+            **_stage_values_or_zero(model, p),
             **bind_hardware(hw, cluster),
             "sequence_parallel": p["sequence_parallel"],
             "attention": p["attention"],

@@ -11,6 +11,7 @@ loop.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from stage_dse.spec import (
     ModelSpec,
     TrainingSpec,
 )
+from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
 
 __all__ = ["Enumeration", "SearchSpace", "divisors", "enumerate_plans"]
@@ -109,6 +111,7 @@ def enumerate_plans(
         "rank_order": list(dict.fromkeys(space.rank_order)),
         "virtual_stages": sorted(set(space.virtual_stages)),
         "triple": triples,
+        "stage_layers": list(space.stage_layers),
         "micro_batch": sorted(set(space.micro_batch_size)),
     }
     shape = tuple(len(v) for v in axes.values())
@@ -124,6 +127,29 @@ def enumerate_plans(
         return np.asarray(axes[name] if values is None else values).reshape(dims)
 
     tri = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
+    # the layer split of every (virtual_stages, triple, stage_layers): adjacent grid dimensions
+    vs, splits = axes["virtual_stages"], axes["stage_layers"]
+    split_shape = (len(vs), len(triples), len(splits))
+    split_ok = np.zeros(split_shape, dtype=bool)
+    split_values = {k: np.zeros(split_shape, dtype=np.int64) for k in STAGE_SYMBOLS}
+    for (i, v_), (j, (_, p_, _)), (k, split) in itertools.product(
+        enumerate(vs), enumerate(triples), enumerate(splits)
+    ):
+        try:
+            values_ = stage_values(model.num_layers, p_, v_, split)
+        except ConfigError:
+            continue
+        split_ok[i, j, k] = True
+        for name, x in values_.items():
+            split_values[name][i, j, k] = x
+    first_split_dim = list(axes).index("virtual_stages")
+    assert list(axes)[first_split_dim : first_split_dim + 3] == [
+        "virtual_stages",
+        "triple",
+        "stage_layers",
+    ]
+    split_dims = [1] * len(shape)
+    split_dims[first_split_dim : first_split_dim + 3] = split_shape
     tp, pp, cp = (grid("triple", tri[:, k]) for k in range(3))
     mb = grid("micro_batch").astype(np.int64)
     v = grid("virtual_stages").astype(np.int64)
@@ -147,7 +173,10 @@ def enumerate_plans(
         (f"tp does not divide ffn_hidden_size({f})", f % tp != 0),
         (f"tp does not divide vocab({V})", V % tp != 0),
         (f"pp > layers({L})", pp > L),
-        (f"pp*virtual_stages > layers({L})", pp * v > L),
+        (
+            f"stage_layers does not fit pp*virtual_stages (layers={L})",
+            ~split_ok.reshape(split_dims),
+        ),
         (f"cp does not divide seq({s})", s % cp != 0),
         (f"tp*cp does not divide seq({s}) under sequence parallelism", sp_ & (s % (tp * cp) != 0)),
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
@@ -200,6 +229,11 @@ def enumerate_plans(
         "cp": t_cp,
         "micro_batch": values("micro_batch"),
         "virtual_stages": v_sel,
+        "stage_layers": labels("stage_layers"),
+        **{
+            name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
+            for name, x in split_values.items()
+        },
         "ep": values("ep"),
         "expert_tensor_parallel": values("expert_tensor_parallel", bool),
         "sequence_parallel": values("sequence_parallel", bool),

@@ -18,6 +18,7 @@ from enum import StrEnum
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import coerce_enum, divides, positive_int
 from stage_dse.spec.model import ModelSpec
+from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
 
 __all__ = [
@@ -101,6 +102,9 @@ class ParallelPlan:
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule only)."""
+    stage_layers: str = "balanced"
+    """How layers spread over (virtual) pipeline stages: ``balanced``, ``ceil`` or an explicit
+    list of layers per virtual stage (:mod:`stage_dse.spec.stages`)."""
     rank_order: tuple[MeshAxis, ...] = DEFAULT_RANK_ORDER
     """Mesh axes from fastest- to slowest-varying over global ranks."""
     overlap_grad_reduce: bool = True
@@ -141,6 +145,7 @@ class ParallelPlan:
         object.__setattr__(
             self, "schedule", coerce_enum(PipelineSchedule, owner, "schedule", self.schedule)
         )
+        object.__setattr__(self, "stage_layers", normalize_stage_layers(self.stage_layers))
         order = self.rank_order
         if isinstance(order, str):
             order = tuple(order.split("-"))
@@ -203,11 +208,7 @@ def validate_plan(
     divides("tp", plan.tp, "vocab", model.vocab_size)
     if plan.pp > model.num_layers:
         raise ConfigError(f"pp({plan.pp}) > layers({model.num_layers})")
-    if plan.pp * plan.virtual_stages > model.num_layers:
-        raise ConfigError(
-            f"pp({plan.pp})*virtual_stages({plan.virtual_stages})"
-            f"={plan.pp * plan.virtual_stages} > layers({model.num_layers})"
-        )
+    virtual_stage_layers(model.num_layers, plan.pp, plan.virtual_stages, plan.stage_layers)
     divides("cp", plan.cp, "seq", training.seq_len)
     if plan.sequence_parallel and training.seq_len % (plan.tp * plan.cp):
         raise ConfigError(

@@ -14,6 +14,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
+from stage_dse.spec.stages import normalize_stage_layers
 from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
 
 __all__ = [
@@ -53,6 +54,9 @@ class SearchSpace:
     attention: Sequence[str] = ("flash",)
     virtual_stages: Sequence[int] = (1,)
     """1 means the 1F1B schedule; v > 1 the interleaved schedule with v chunks."""
+    stage_layers: Sequence[str] = ("balanced",)
+    """Layer splits over pipeline stages (:mod:`stage_dse.spec.stages`): ``balanced``,
+    ``ceil`` or explicit lists of layers per virtual stage."""
     rank_order: Sequence[str] = ("tp-cp-ep-dp-pp",)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
@@ -69,6 +73,10 @@ class SearchSpace:
                 _positive_list(name, v)
         for name in ("micro_batch_size", "virtual_stages"):
             _positive_list(name, getattr(self, name))
+        if not self.stage_layers:
+            raise ConfigError("plan.stage_layers must list at least one split")
+        splits = tuple(dict.fromkeys(normalize_stage_layers(s) for s in self.stage_layers))
+        object.__setattr__(self, "stage_layers", splits)
         for z in self.zero_stage:
             if z not in (0, 1, 2, 3):
                 raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")

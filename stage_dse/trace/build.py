@@ -37,11 +37,11 @@ from stage_dse.spec import (
     HardwareSpec,
     ModelSpec,
     ParallelPlan,
-    PipelineSchedule,
     TrainingSpec,
     check_gemm_dtype,
     validate_plan,
 )
+from stage_dse.spec.stages import stage_layer_counts
 from stage_dse.trace.mesh import EMBEDDING, Mesh
 from stage_dse.trace.program import (
     Program,
@@ -53,7 +53,6 @@ from stage_dse.trace.program import (
     symbol_subs,
 )
 from stage_dse.trace.schedule import (
-    chunk_layers,
     pipeline_links,
     schedule_order,
     stage_sections,
@@ -80,13 +79,6 @@ class TraceConfig:
             )
         if self.granularity not in ("segment", "op"):
             raise ConfigError(f"granularity={self.granularity!r} is not one of: segment, op")
-        if self.plan.schedule is PipelineSchedule.INTERLEAVED:
-            chunks = self.plan.pp * self.plan.virtual_stages
-            if self.model.num_layers % chunks:
-                raise ConfigError(
-                    f"interleaved traces need layers({self.model.num_layers}) divisible by "
-                    f"pp({self.plan.pp})*virtual_stages({self.plan.virtual_stages})={chunks}"
-                )
 
 
 def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
@@ -99,7 +91,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     consumed = {g: consumed_ops(g) for g in graphs.sections}
     m = plan.num_microbatches(training)
     pp, v = plan.pp, plan.virtual_stages
-    layers, _ = chunk_layers(model.num_layers, pp, v)
+    layers = [sum(c) for c in stage_layer_counts(model.num_layers, pp, v, plan.stage_layers)]
     boundary_bytes = numbers_boundary(cfg, graphs)
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
@@ -117,7 +109,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     templates = []
     for s in range(pp):
         prog = Program(cfg, numbers)
-        chunks = stage_sections(graphs, model, s, pp, v)
+        chunks = stage_sections(graphs, model, s, pp, v, plan.stage_layers)
         backwards_done = [0] * v
         for phase, mb, c in schedule_order(s, pp, m, v):
             sections = chunks[c]

@@ -1,10 +1,10 @@
 """The pipeline schedule of a trace: which layers sit on which stage and model chunk, which
 micro-batch runs next on each stage, and who sends what to whom.
 
-What lives here, with no graph numbers and no I/O: :func:`stage_layers` (the layer split over
-stages), :func:`chunk_layers` (per stage and model chunk), :func:`stage_sections` (the graph
-sections a chunk runs: embedding on the first virtual stage, head on the last, leading dense
-layers before MoE blocks), :func:`schedule_order` (1F1B or interleaved order of forwards and
+What lives here, with no graph numbers and no I/O: :func:`stage_sections` (the graph sections
+each model chunk of a stage runs, with the layer split the cost model uses,
+:mod:`stage_dse.spec.stages`: embedding on the first virtual stage, head on the last, leading
+dense layers before MoE blocks), :func:`schedule_order` (1F1B or interleaved order of forwards and
 backwards on one stage) and :func:`pipeline_links` (neighbours and send/recv tags). The node
 emission (:mod:`stage_dse.trace.program`) follows this order; it does not decide it.
 """
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stage_dse.spec import ModelSpec
+from stage_dse.spec.stages import virtual_stage_layers
 
 if TYPE_CHECKING:
     from stage_dse.graph.core import Graph
 
 __all__ = [
     "Link",
-    "chunk_layers",
     "layer_runs",
     "pipeline_links",
     "schedule_order",
@@ -30,31 +30,9 @@ __all__ = [
 ]
 
 
-def stage_layers(layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage: ceil(layers/pp) each, the shortfall taken from the first and
-    last stages alternately (as large runs balance the embedding and output layers)."""
-    per = -(-layers // pp)
-    counts = [per] * pp
-    deficit = per * pp - layers
-    order = [0, pp - 1, *range(1, pp - 1)]
-    i = 0
-    while deficit > 0:
-        s = order[i % len(order)]
-        if counts[s] > 1:
-            counts[s] -= 1
-            deficit -= 1
-        i += 1
-    return counts
-
-
-def chunk_layers(num_layers: int, pp: int, v: int) -> tuple[list[int], list[list[int]]]:
-    """(layers per stage, layers per model chunk of each stage). With ``v == 1`` the split of
-    :func:`stage_layers`; interleaved chunks hold ``layers / (pp * v)`` layers each."""
-    if v == 1:
-        layers = stage_layers(num_layers, pp)
-        return layers, [[n] for n in layers]
-    per_chunk = num_layers // (pp * v)
-    return [per_chunk * v] * pp, [[per_chunk] * v for _ in range(pp)]
+def stage_layers(layers: int, pp: int, split: str = "balanced") -> list[int]:
+    """Layers per pipeline stage (one chunk each) under ``split`` (:mod:`stage_dse.spec.stages`)."""
+    return virtual_stage_layers(layers, pp, 1, split)
 
 
 def layer_runs(graphs, model: ModelSpec, start: int, count: int) -> list[tuple[Graph, int]]:
@@ -70,20 +48,20 @@ def layer_runs(graphs, model: ModelSpec, start: int, count: int) -> list[tuple[G
 
 
 def stage_sections(
-    graphs, model: ModelSpec, stage: int, pp: int, v: int
+    graphs, model: ModelSpec, stage: int, pp: int, v: int, split: str = "balanced"
 ) -> list[list[tuple[Graph, int]]]:
     """Per model chunk of ``stage``: the (graph section, repeat count) pairs it runs in forward
-    order (embedding on the first virtual stage, output head on the last)."""
-    layers, per_chunk = chunk_layers(model.num_layers, pp, v)
+    order (embedding on the first virtual stage, output head on the last), the layers as the
+    cost model splits them (:func:`stage_dse.spec.stages.virtual_stage_layers`)."""
+    counts = virtual_stage_layers(model.num_layers, pp, v, split)
     chunks = []
     for c in range(v):
+        virtual = c * pp + stage
         sections: list[tuple[Graph, int]] = []
-        if stage == 0 and c == 0:
+        if virtual == 0:
             sections.append((graphs.embed, 1))
-        # first global layer of this chunk (virtual stage c * pp + stage when interleaved)
-        start = sum(layers[:stage]) if v == 1 else (c * pp + stage) * per_chunk[stage][c]
-        sections.extend(layer_runs(graphs, model, start, per_chunk[stage][c]))
-        if stage == pp - 1 and c == v - 1:
+        sections.extend(layer_runs(graphs, model, sum(counts[:virtual]), counts[virtual]))
+        if virtual == pp * v - 1:
             sections.append((graphs.head, 1))
         chunks.append(sections)
     return chunks

@@ -28,7 +28,7 @@ from stage_dse.trace.program import (
     op_numbers,
     symbol_subs,
 )
-from stage_dse.trace.schedule import layer_runs, stage_layers
+from stage_dse.trace.schedule import stage_sections
 from stage_dse.trace.write import TraceSet, group_id_warnings, set_counts, write_all_ranks
 
 __all__ = ["write_serving_trace"]
@@ -70,15 +70,10 @@ def write_serving_trace(
     cfg = _Cfg(plan)
     numbers = op_numbers(cfg, ops, values)
     consumed = {g: consumed_ops(g) for g in graphs.sections}
-    layers = stage_layers(model.num_layers, plan.pp)
     subs = symbol_subs(values)
 
-    def stage_sections(s: int) -> list:
-        sections = [(graphs.embed, 1)] if s == 0 else []
-        sections.extend(layer_runs(graphs, model, sum(layers[:s]), layers[s]))
-        if s == plan.pp - 1:
-            sections.append((graphs.head, 1))
-        return sections
+    def sections_of(s: int) -> list:
+        return stage_sections(graphs, model, s, plan.pp, 1, plan.stage_layers)[0]
 
     boundary = int(graphs.boundary.local_bytes.xreplace(subs))
     token_bytes = serving.batch_size * 8
@@ -86,7 +81,7 @@ def write_serving_trace(
     templates = []
     for s in range(pp):
         prog = Program(cfg, numbers)
-        sections = stage_sections(s)
+        sections = sections_of(s)
         fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
         for step in range(steps):
             if s == 0 and step > 0 and pp > 1:
@@ -120,7 +115,7 @@ def write_serving_trace(
     # flops of the forward ops by direct substitution (not the lambdified per-op numbers)
     flops_expected = 0.0
     for s in range(pp):
-        for g, count in stage_sections(s):
+        for g, count in sections_of(s):
             f = sum(
                 float(op.flops.xreplace(subs))
                 for op in g.ops
