@@ -10,10 +10,10 @@ from conftest import gpt
 
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import bind, bind_hardware, evaluate_plan
-from stage_dse.cost.derive import cost_key
-from stage_dse.cost.time import section_time
+from stage_dse.cost.derive import cost_key, is_linear
+from stage_dse.cost.time import _fp8_quantized_numel, section_time
 from stage_dse.errors import ConfigError
-from stage_dse.graph import build_graphs
+from stage_dse.graph import OpKind, build_graphs
 from stage_dse.graph.symbols import Symbols
 from stage_dse.results import ResultStore, load
 from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
@@ -47,8 +47,10 @@ def test_fp8_caches_exactly_the_inputs_only_linear_layers_keep(attention, per_la
 
 def test_fp8_halves_the_time_of_compute_bound_linear_gemms_only():
     """On FP8 tensor cores at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s, made exactly 2x
-    here), every linear GEMM of a layer that is compute bound takes half the time; attention and
-    element-wise kernels do not change."""
+    here), every linear GEMM of a layer that is compute bound takes half the time, plus a
+    quantize kernel for its 16-bit input (forward: the activation; input gradient: the output
+    gradient; the weight gradient reuses both): 3 bytes per element streamed, never below the
+    element-wise floor. Attention and element-wise kernels do not change."""
     model = gpt(layers=4, hidden=8192, heads=64)
     plan = ParallelPlan(dp=1, micro_batch_size=1)
     key = cost_key(model, plan, training("fp8"))
@@ -61,10 +63,20 @@ def test_fp8_halves_the_time_of_compute_bound_linear_gemms_only():
         values = {**bind(model, training(gemm), plan), **bind_hardware(hw, cl)}
         return float(expr.xreplace({Symbols.all()[k]: v for k, v in values.items()}))
 
-    assert num(st.gemm, "fp8") == pytest.approx(num(st.gemm, "bf16") / 2, rel=1e-12)
+    graph = build_graphs(model, plan, training("fp8")).block
+    bandwidth = hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency
+    quantize = 0.0
+    for op in graph.ops:
+        if op.kind is OpKind.EINSUM and is_linear(op):
+            numel = num(_fp8_quantized_numel(op), "fp8")
+            if numel:
+                quantize += max(3 * numel / bandwidth, hw.elementwise_floor_s)
+    assert quantize > 0
+    gemm_bf16 = num(st.gemm, "bf16")
+    assert num(st.gemm, "fp8") == pytest.approx(gemm_bf16 / 2 + quantize, rel=1e-12)
     layer = st.fwd + st.bwd
     assert num(layer, "bf16") - num(layer, "fp8") == pytest.approx(
-        num(st.gemm, "bf16") / 2, rel=1e-9
+        gemm_bf16 / 2 - quantize, rel=1e-9
     )
     assert num(st.attention, "fp8") == num(st.attention, "bf16")
 
@@ -100,7 +112,9 @@ def test_fp8_rows_are_distinct_configurations_in_a_sweep(tmp_path):
     ok = df[df.status == "ok"]
     by = ok.pivot_table(index=["dp", "tp", "pp", "micro_batch", "recompute"], columns="gemm_bytes",
                         values="step_s")  # fmt: skip
-    assert isinstance(by, pd.DataFrame) and len(by) and (by[1] < by[2]).all()
+    # distinct results; on this small model (hidden 1024) FP8's quantize kernels eat part of the
+    # GEMM speed-up, so it need not win everywhere (the GEMM-time rule is tested above)
+    assert isinstance(by, pd.DataFrame) and len(by) and (by[1] != by[2]).all()
 
 
 def test_mfu_is_measured_against_the_peak_of_the_gemm_precision():

@@ -33,12 +33,20 @@ HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "hbm_tb_s": ("hbm_bandwidth_bytes_per_s", 1e12),
     "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),
     "kernel_launch_us": ("kernel_launch_s", 1e-6),
+    "gemm_floor_us": ("gemm_floor_s", 1e-6),
+    "attention_floor_us": ("attention_floor_s", 1e-6),
+    "elementwise_floor_us": ("elementwise_floor_s", 1e-6),
 }
 CLUSTER_UNITS: dict[str, tuple[str, float]] = {
     "intra_gb_s": ("intra_bandwidth_bytes_per_s", 1e9),
     "inter_gbit_s": ("inter_bandwidth_bytes_per_s", 1e9 / 8),
     "intra_latency_us": ("intra_latency_s", 1e-6),
     "inter_latency_us": ("inter_latency_s", 1e-6),
+    "collective_base_latency_us": ("collective_base_latency_s", 1e-6),
+    "oneshot_latency_us": ("oneshot_latency_s", 1e-6),
+    "ll_intra_latency_us": ("ll_intra_latency_s", 1e-6),
+    "ll_inter_latency_us": ("ll_inter_latency_s", 1e-6),
+    "ll_base_latency_us": ("ll_base_latency_s", 1e-6),
 }
 
 

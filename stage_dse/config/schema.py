@@ -79,6 +79,9 @@ class HardwareConf:
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_us: float = 0.0
+    gemm_floor_us: float = 0.0
+    attention_floor_us: float = 0.0
+    elementwise_floor_us: float = 0.0
 
 
 @dataclass
@@ -90,6 +93,11 @@ class ClusterConf:
     inter_gbit_s: float = MISSING
     intra_latency_us: float = 3.0
     inter_latency_us: float = 10.0
+    collective_base_latency_us: float = 0.0
+    oneshot_latency_us: float = 0.0
+    ll_intra_latency_us: float = 0.0
+    ll_inter_latency_us: float = 0.0
+    ll_base_latency_us: float = 0.0
     intra_efficiency: float = 0.8
     inter_efficiency: float = 0.9
     pod_gpus: int = 0

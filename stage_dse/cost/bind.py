@@ -93,16 +93,38 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "attention_efficiency": hardware.attention_efficiency,
         "memory_efficiency": hardware.memory_efficiency,
         "kernel_launch_s": hardware.kernel_launch_s,
+        "gemm_floor_s": hardware.gemm_floor_s,
+        "attention_floor_s": hardware.attention_floor_s,
+        "elementwise_floor_s": hardware.elementwise_floor_s,
         "usable_memory": hardware.usable_bytes,
         "gpus_per_node": cluster.gpus_per_node,
         "intra_bandwidth": cluster.intra_bandwidth_bytes_per_s,
         "inter_bandwidth": cluster.inter_bandwidth_bytes_per_s,
         "intra_latency": cluster.intra_latency_s,
         "inter_latency": cluster.inter_latency_s,
+        "collective_base_latency": cluster.collective_base_latency_s,
+        "oneshot_latency": cluster.oneshot_latency_s,
+        **_ll_values(cluster),
         "intra_efficiency": cluster.intra_efficiency,
         "inter_efficiency": cluster.inter_efficiency,
         "pod_gpus": cluster.pod_gpus or cluster.num_gpus,
         "oversubscription": cluster.oversubscription,
+    }
+
+
+def _ll_values(cluster: ClusterSpec) -> dict[str, float]:
+    """The low-latency protocol's latencies; a cluster without one gets the bandwidth
+    protocol's, so that its half-bandwidth rings never win."""
+    if cluster.ll_intra_latency_s > 0:
+        return {
+            "ll_intra_latency": cluster.ll_intra_latency_s,
+            "ll_inter_latency": cluster.ll_inter_latency_s or cluster.inter_latency_s,
+            "ll_base_latency": cluster.ll_base_latency_s,
+        }
+    return {
+        "ll_intra_latency": cluster.intra_latency_s,
+        "ll_inter_latency": cluster.inter_latency_s,
+        "ll_base_latency": cluster.collective_base_latency_s,
     }
 
 

@@ -6,23 +6,34 @@ expressions in seconds. What does not: numbers (see :mod:`stage_dse.cost.compile
 
 Model, in order of the terms of ``time_step_s``:
 
-* **Compute.** Each op takes ``max(flops / (peak * eff), bytes / (hbm_bw * mem_eff))`` plus a
-  launch cost. GEMM efficiency is ``gemm_efficiency * d / (d + gemm_half_dim)`` with ``d`` the
-  smallest of the GEMM's M, N, K on one GPU (tile and wave quantization make thin GEMMs slow);
+* **Compute.** Each op takes ``max(flops / (peak * eff), bytes / (hbm_bw * mem_eff), floor)``
+  plus a launch cost, where ``floor`` is the shortest measured kernel of its class (GEMM,
+  attention, streaming; hardware presets cite the tables). GEMM efficiency is
+  ``gemm_efficiency * d / (d + gemm_half_dim)`` with ``d`` the smallest of the GEMM's M, N, K
+  on one GPU (tile and wave quantization make thin GEMMs slow);
   fused attention kernels use ``attention_efficiency``; everything else streams memory. Chains
   of element-wise kernels whose intermediate is neither saved nor reused are fused (their
   intermediate never reaches HBM), as Megatron-LM's fused bias-GeLU / bias-dropout-add /
   scale-mask-softmax kernels do. Recomputed ops are rerun inside backward. With FP8 GEMMs
   (``gemm_bytes`` = 1) the linear layers' GEMMs (forward, input and weight gradients) use the
-  FP8 peak; attention stays 16-bit; MFU and HFU are against the peak of the GEMM precision.
+  FP8 peak, each after a quantize kernel for its 16-bit input (forward: the activation; input
+  gradient: the output gradient; the weight gradient reuses both FP8 copies, as Transformer
+  Engine does): 3 bytes per element streamed, never below the streaming floor; attention stays
+  16-bit; MFU and HFU are against the peak of the GEMM precision. Causal fused attention
+  executes ``(T + 1) / 2T`` of its score tiles (:func:`stage_dse.graph.forward.causal_fraction`).
 * **Collectives** (Thakur et al. 2005; NCCL): a group of ``n`` GPUs splits into ``n_in`` members
   per scale-up domain times ``n_out`` domains, which follows from the mesh rank order and
   ``gpus_per_node``. Ring all-reduce moves ``2(n-1)/n`` of the buffer, all-gather and
   reduce-scatter ``(n-1)/n``; hierarchically, the scale-up tier carries the ``n_in`` part at
   NVLink speed and each GPU's NIC carries the ``n_out`` part of a ``1/n_in`` shard. All-to-all
   sends ``(n - n_in)/n`` of its buffer over the NIC. Latency: ring steps inside the domain,
-  tree steps (log2) for all-reduce across domains, ring steps for gathers. Groups spanning more
-  than ``pod_gpus`` see the scale-out bandwidth divided by ``oversubscription``.
+  tree steps (log2) for all-reduce across domains, ring steps for gathers, plus a fixed cost per
+  collective. Two protocols, the faster wins (NCCL's own choice, ``src/graph/tuning.cc``): the
+  bandwidth protocol (Simple) and the low-latency one (LL: flag-carrying stores, half the
+  bandwidth, a fraction of the latency). Inside one domain a small all-reduce may go one-shot
+  (each GPU reads its peers' buffers over NVLink and reduces locally, TensorRT-LLM / vLLM
+  custom all-reduce). Groups spanning more than ``pod_gpus`` see the scale-out bandwidth
+  divided by ``oversubscription``.
 * **Exposure.** Tensor-parallel collectives and the expert-parallel all-to-alls sit on the
   critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``, all-to-alls
   behind another micro-batch's compute with ``ep_comm_overlap``, as DeepSeek-V3's DualPipe
@@ -63,7 +74,7 @@ import sympy as sp
 
 from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive, is_linear
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
@@ -116,6 +127,44 @@ def group_tiers(
     return n_in, n / n_in, span
 
 
+def _ring(
+    kind: CollKind,
+    n_in: sp.Expr,
+    n_out: sp.Expr,
+    size_bytes: sp.Expr,
+    bw_in: sp.Expr,
+    bw_out: sp.Expr,
+    a_in: sp.Expr,
+    a_out: sp.Expr,
+    base: sp.Expr,
+) -> sp.Expr:
+    """Hierarchical ring (tree across domains for all-reduce) on one protocol."""
+    if kind is CollKind.ALL_REDUCE:
+        return (
+            2 * (n_in - 1) / n_in * size_bytes / bw_in
+            + 2 * (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + 2 * (n_in - 1) * a_in
+            + 2 * sp.log(n_out, 2) * a_out
+            + base
+        )
+    if kind in (CollKind.ALL_GATHER, CollKind.REDUCE_SCATTER):
+        return (
+            (n_in - 1) / n_in * size_bytes / bw_in
+            + (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + (n_in - 1) * a_in
+            + (n_out - 1) * a_out
+            + base
+        )
+    n = n_in * n_out  # all-to-all
+    return (
+        (n_in - 1) / n * size_bytes / bw_in
+        + (n - n_in) / n * size_bytes / bw_out
+        + (n_in - 1) * a_in
+        + (n - n_in) * a_out
+        + base
+    )
+
+
 def collective_time(
     kind: CollKind, group: Iterable[MeshAxis], size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
 ) -> sp.Expr:
@@ -126,34 +175,38 @@ def collective_time(
     pod = sp.Piecewise((S.oversubscription, span > S.pod_gpus), (1, True))
     bw_out = S.inter_bandwidth * S.inter_efficiency / pod
     a_in, a_out = S.intra_latency, S.inter_latency
-    if kind is CollKind.ALL_REDUCE:
-        return (
-            2 * (n_in - 1) / n_in * size_bytes / bw_in
-            + 2 * (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
-            + 2 * (n_in - 1) * a_in
-            + 2 * sp.log(n_out, 2) * a_out
-        )
-    if kind in (CollKind.ALL_GATHER, CollKind.REDUCE_SCATTER):
-        return (
-            (n_in - 1) / n_in * size_bytes / bw_in
-            + (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
-            + (n_in - 1) * a_in
-            + (n_out - 1) * a_out
-        )
-    if kind is CollKind.ALL_TO_ALL:
-        n = n_in * n_out
-        return (
-            (n_in - 1) / n * size_bytes / bw_in
-            + (n - n_in) / n * size_bytes / bw_out
-            + (n_in - 1) * a_in
-            + (n - n_in) * a_out
-        )
     if kind is CollKind.SEND_RECV:
         # the slowest hop of the pipeline: over the NIC as soon as stages span domains
         bw = sp.Piecewise((bw_out, n_out > 1), (bw_in, True))
         lat = sp.Piecewise((a_out, n_out > 1), (a_in, True))
         return _min(1, DEGREE[MeshAxis.PP] - 1) * (size_bytes / bw + lat)
-    raise ValueError(kind)
+    if kind not in (
+        CollKind.ALL_REDUCE,
+        CollKind.ALL_GATHER,
+        CollKind.REDUCE_SCATTER,
+        CollKind.ALL_TO_ALL,
+    ):
+        raise ValueError(kind)
+    # a one-rank group moves nothing and costs nothing; any other collective pays a base
+    active = _min(1, n_in * n_out - 1)
+    simple = _ring(
+        kind, n_in, n_out, size_bytes, bw_in, bw_out, a_in, a_out,
+        active * S.collective_base_latency,
+    )  # fmt: skip
+    # the low-latency protocol: lower latencies, half the bandwidth (NCCL's LL; a cluster
+    # without one has the bandwidth protocol's latencies bound here, so it never wins)
+    ll = _ring(
+        kind, n_in, n_out, size_bytes, bw_in / 2, bw_out / 2, S.ll_intra_latency,
+        S.ll_inter_latency, active * S.ll_base_latency,
+    )  # fmt: skip
+    best = _min(simple, ll)
+    if kind is not CollKind.ALL_REDUCE:
+        return best
+    # inside one domain, small buffers go one-shot: each GPU reads its n - 1 peers' buffers
+    # over NVLink and reduces locally (TensorRT-LLM / vLLM custom all-reduce)
+    oneshot = S.oneshot_latency + (n_in - 1) * size_bytes / bw_in
+    in_domain = sp.And(n_out < sp.Rational(3, 2), S.oneshot_latency > 0)
+    return sp.Piecewise((_min(best, oneshot), in_domain), (best, True))
 
 
 def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
@@ -178,21 +231,47 @@ def _gemm_min_dim(op: Op) -> sp.Expr:
     return _min(m, n, k)
 
 
-def _compute_time(op: Op) -> sp.Expr:
-    stream = op.bytes / (S.hbm_bandwidth * S.memory_efficiency)
+def _fp8_quantized_numel(op: Op) -> sp.Expr:
+    """Elements an FP8 GEMM quantizes first: forward GEMMs their activation operand, input-
+    gradient GEMMs the incoming gradient; weight-gradient GEMMs reuse both (Transformer Engine
+    keeps the FP8 copies of the forward input and of the output gradient)."""
+    if op.phase is Phase.FORWARD:
+        return _sum(t.local_numel for t in op.inputs if t.role is not Role.WEIGHT)
+    if op.outputs[0].role is Role.ACTIVATION_GRAD:
+        return _sum(t.local_numel for t in op.inputs if t.role is Role.ACTIVATION_GRAD)
+    return sp.Integer(0)
+
+
+def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
+    """Seconds of one kernel: roofline, never below the kernel class's floor. ``saved_bytes``:
+    HBM traffic a fused element-wise op does not make; such an op runs inside its consumer's
+    kernel, so it pays no floor of its own."""
+    bandwidth = S.hbm_bandwidth * S.memory_efficiency
+    stream = (op.bytes - saved_bytes) / bandwidth
     if op.kind is OpKind.EINSUM:
         d = _gemm_min_dim(op)
         eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
         peak = S.peak_flops
+        quantize = sp.Integer(0)
         if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
-            peak = S.peak_flops + (2 - S.gemm_bytes) * (S.peak_fp8_flops - S.peak_flops)
-        return _max(op.flops / (peak * eff), stream) + S.kernel_launch_s
+            fp8 = 2 - S.gemm_bytes
+            peak = S.peak_flops + fp8 * (S.peak_fp8_flops - S.peak_flops)
+            numel = _fp8_quantized_numel(op)
+            if numel != 0:  # a quantize kernel first: read 16-bit, write 8-bit
+                kernel = _max(3 * numel / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
+                quantize = fp8 * kernel
+        gemm = _max(op.flops / (peak * eff), stream, S.gemm_floor_s) + S.kernel_launch_s
+        return gemm + quantize
     if op.kind is OpKind.ATTENTION:
         eff = S.attention_efficiency
         executed = op.flops * op.executed_fraction
-        return _max(executed / (S.peak_flops * eff), stream) + S.kernel_launch_s
+        return (
+            _max(executed / (S.peak_flops * eff), stream, S.attention_floor_s) + S.kernel_launch_s
+        )
     if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
-        return stream + S.kernel_launch_s
+        if saved_bytes != 0:  # fused into its consumer
+            return stream
+        return _max(stream, S.elementwise_floor_s) + S.kernel_launch_s
     return sp.Integer(0)
 
 
@@ -250,7 +329,6 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
     order = key.rank_order
     rerun = _recomputed_ops(graph, key.recompute)
     savings = _fusion_savings(graph)
-    stream = S.hbm_bandwidth * S.memory_efficiency
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
     acc: dict[str, list[sp.Expr]] = defaultdict(list)
     for op, is_rerun in ops:
@@ -274,7 +352,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
                 phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
                 acc[phase].append(t)
             continue
-        t = _compute_time(op) - savings.get(op, 0) / stream
+        t = _compute_time(op, savings.get(op, sp.Integer(0)))
         if op.kind is OpKind.OPTIMIZER:
             acc["optimizer_step"].append(t)
             continue

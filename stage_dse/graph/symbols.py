@@ -91,6 +91,9 @@ class Symbols:
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
+    gemm_floor_s = sp.Symbol("gemm_floor_s", nonnegative=True)
+    attention_floor_s = sp.Symbol("attention_floor_s", nonnegative=True)
+    elementwise_floor_s = sp.Symbol("elementwise_floor_s", nonnegative=True)
     usable_memory = _real("usable_memory")
     # cluster (ClusterSpec), base units
     gpus_per_node = _sym("gpus_per_node")
@@ -98,6 +101,14 @@ class Symbols:
     inter_bandwidth = _real("inter_bandwidth")
     intra_latency = _real("intra_latency")
     inter_latency = _real("inter_latency")
+    collective_base_latency = sp.Symbol("collective_base_latency", nonnegative=True)
+    oneshot_latency = sp.Symbol("oneshot_latency", nonnegative=True)
+    """One-shot all-reduce latency (0 where the cluster has none)."""
+    ll_intra_latency = sp.Symbol("ll_intra_latency", nonnegative=True)
+    """Low-latency protocol, per step inside a domain (the bandwidth protocol's where the
+    cluster has none)."""
+    ll_inter_latency = sp.Symbol("ll_inter_latency", nonnegative=True)
+    ll_base_latency = sp.Symbol("ll_base_latency", nonnegative=True)
     intra_efficiency = _real("intra_efficiency")
     inter_efficiency = _real("inter_efficiency")
     pod_gpus = _sym("pod_gpus")
@@ -119,12 +130,20 @@ HARDWARE_SYMBOLS = (
     "attention_efficiency",
     "memory_efficiency",
     "kernel_launch_s",
+    "gemm_floor_s",
+    "attention_floor_s",
+    "elementwise_floor_s",
     "usable_memory",
     "gpus_per_node",
     "intra_bandwidth",
     "inter_bandwidth",
     "intra_latency",
     "inter_latency",
+    "collective_base_latency",
+    "oneshot_latency",
+    "ll_intra_latency",
+    "ll_inter_latency",
+    "ll_base_latency",
     "intra_efficiency",
     "inter_efficiency",
     "pod_gpus",

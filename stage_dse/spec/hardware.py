@@ -11,6 +11,10 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
+
+Latency floors (kernels' and collectives' shortest times) are measured values: the presets take
+them from NVIDIA AIConfigurator's kernel tables (``aiconfigurator-core`` 0.12.0, Apache-2.0,
+latencies measured under CUDA graphs), each preset naming the table it read.
 """
 
 from __future__ import annotations
@@ -50,7 +54,13 @@ class HardwareSpec:
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
-    """Fixed cost added per kernel, seconds (launch gaps)."""
+    """Fixed cost added per kernel, seconds (launch gaps; 0 under CUDA graphs)."""
+    gemm_floor_s: float = 0.0
+    """Shortest time of any GEMM kernel, seconds (a tiny GEMM still takes this long)."""
+    attention_floor_s: float = 0.0
+    """Shortest time of a fused attention kernel, seconds."""
+    elementwise_floor_s: float = 0.0
+    """Shortest time of a streaming (element-wise, norm, quantize) kernel, seconds."""
 
     def __post_init__(self) -> None:
         owner = "hardware"
@@ -58,7 +68,14 @@ class HardwareSpec:
             positive_number(owner, f, getattr(self, f))
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             _fraction(owner, f, getattr(self, f))
-        for f in ("memory_reserve_bytes", "kernel_launch_s", "peak_fp8_flops"):
+        for f in (
+            "memory_reserve_bytes",
+            "kernel_launch_s",
+            "peak_fp8_flops",
+            "gemm_floor_s",
+            "attention_floor_s",
+            "elementwise_floor_s",
+        ):
             non_negative_number(owner, f, getattr(self, f))
         if self.memory_reserve_bytes >= self.hbm_bytes:
             raise ConfigError(
@@ -87,9 +104,22 @@ class ClusterSpec:
     inter_bandwidth_bytes_per_s: float
     """Scale-out (NIC) bandwidth per GPU, one direction."""
     intra_latency_s: float = 3e-6
-    """Per-step latency of a collective inside a domain."""
+    """Per-step latency of a collective inside a domain (bandwidth protocol, NCCL Simple)."""
     inter_latency_s: float = 10e-6
-    """Per-step latency of a collective across domains."""
+    """Per-step latency of a collective across domains (bandwidth protocol)."""
+    collective_base_latency_s: float = 0.0
+    """Fixed cost of every collective on the bandwidth protocol (launch, synchronization)."""
+    ll_intra_latency_s: float = 0.0
+    """Per-step latency inside a domain of the low-latency protocol (NCCL LL: flag-carrying
+    8-byte stores, half the bandwidth); 0: no such protocol."""
+    ll_inter_latency_s: float = 0.0
+    """Per-step latency across domains of the low-latency protocol."""
+    ll_base_latency_s: float = 0.0
+    """Fixed cost of a collective on the low-latency protocol."""
+    oneshot_latency_s: float = 0.0
+    """Latency of a one-shot all-reduce inside a domain (every GPU reads every peer's buffer
+    over NVLink and reduces locally; TensorRT-LLM / vLLM custom all-reduce), seconds;
+    0: no one-shot algorithm, rings only."""
     intra_efficiency: float = 0.8
     inter_efficiency: float = 0.9
     pod_gpus: int = 0
@@ -103,7 +133,15 @@ class ClusterSpec:
         positive_int(owner, "gpus_per_node", self.gpus_per_node)
         for f in ("intra_bandwidth_bytes_per_s", "inter_bandwidth_bytes_per_s", "oversubscription"):
             positive_number(owner, f, getattr(self, f))
-        for f in ("intra_latency_s", "inter_latency_s"):
+        for f in (
+            "intra_latency_s",
+            "inter_latency_s",
+            "collective_base_latency_s",
+            "oneshot_latency_s",
+            "ll_intra_latency_s",
+            "ll_inter_latency_s",
+            "ll_base_latency_s",
+        ):
             non_negative_number(owner, f, getattr(self, f))
         for f in ("intra_efficiency", "inter_efficiency"):
             _fraction(owner, f, getattr(self, f))
