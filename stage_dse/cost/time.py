@@ -26,8 +26,10 @@ Model, in order of the terms of ``time_step_s``:
   ``gpus_per_node``. Ring all-reduce moves ``2(n-1)/n`` of the buffer, all-gather and
   reduce-scatter ``(n-1)/n``; hierarchically, the scale-up tier carries the ``n_in`` part at
   NVLink speed and each GPU's NIC carries the ``n_out`` part of a ``1/n_in`` shard. All-to-all
-  sends ``(n - n_in)/n`` of its buffer over the NIC. Latency: ring steps inside the domain,
-  tree steps (log2) for all-reduce across domains, ring steps for gathers, plus a fixed cost per
+  sends ``(n - n_in)/n`` of its buffer over the NIC. Latency (NCCL's model): an all-reduce
+  pays its ring steps inside the domain and tree steps (log2) across domains; an all-gather or
+  reduce-scatter is one ring through all ``n`` ranks, ``n - n_out`` steps over NVLink and
+  ``n_out - 1`` over the network (large groups pay milliseconds); plus a fixed cost per
   collective. Two protocols, the faster wins (NCCL's own choice, ``src/graph/tuning.cc``): the
   bandwidth protocol (Simple) and the low-latency one (LL: flag-carrying stores, half the
   bandwidth, a fraction of the latency). Inside one domain a small all-reduce may go one-shot
@@ -44,7 +46,9 @@ Model, in order of the terms of ``time_step_s``:
 * **ZeRO-3 / FSDP schedule** (Rajbhandari et al. SC20 sec. 7.2.2; Zhao et al., "PyTorch FSDP",
   VLDB 2023, sec. 3.3-3.4): every micro-batch, each layer's parameters are all-gathered before
   its forward, gathered again before its backward (and its recompute), and its gradients
-  reduce-scattered after its backward (parameters are resharded after forward). With a
+  reduce-scattered after its backward (parameters are resharded after forward), each as one
+  flat buffer per layer (FSDP's FlatParameter; DeepSpeed and Megatron-LM bucket likewise, so
+  a collective's latency is paid once per layer, not per tensor). With a
   prefetch depth of one layer, layer ``i+1``'s gather runs under layer ``i``'s compute and
   layer ``i+1``'s reduce-scatter under layer ``i``'s backward; the backward regather and
   reduce-scatter share the NIC, so their times add. What a layer's collectives take beyond its
@@ -148,10 +152,12 @@ def _ring(
             + base
         )
     if kind in (CollKind.ALL_GATHER, CollKind.REDUCE_SCATTER):
+        # a ring through every rank: n - 1 steps, n_out - 1 of them cross the network (NCCL's
+        # latency model, src/graph/tuning.cc); all-reduce takes a tree across domains instead
         return (
             (n_in - 1) / n_in * size_bytes / bw_in
             + (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
-            + (n_in - 1) * a_in
+            + (n_in * n_out - n_out) * a_in
             + (n_out - 1) * a_out
             + base
         )
@@ -331,17 +337,22 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
     savings = _fusion_savings(graph)
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
     acc: dict[str, list[sp.Expr]] = defaultdict(list)
+    # data-parallel collectives move a layer's parameters or gradients as one flat buffer
+    # (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets): one collective per kind
+    buckets: dict[tuple, sp.Expr] = defaultdict(lambda: sp.Integer(0))
     for op, is_rerun in ops:
+        if op.is_comm and op.group & DATA:
+            if op.frequency is Frequency.PER_STEP:
+                name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
+            elif op.phase is Phase.FORWARD and not is_rerun:
+                name = "zero_fwd_comm"
+            else:
+                name = "zero_bwd_comm"
+            buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes
+            continue
         if op.is_comm:
             t = collective_time(op.coll, op.group, op.comm_bytes, order)
-            if op.group & DATA:
-                if op.frequency is Frequency.PER_STEP:
-                    name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
-                elif op.phase is Phase.FORWARD and not is_rerun:
-                    name = "zero_fwd_comm"
-                else:
-                    name = "zero_bwd_comm"
-            elif op.group == {MeshAxis.CP}:
+            if op.group == {MeshAxis.CP}:
                 name = "cp_comm"
             elif MeshAxis.EP in op.group:
                 name = "ep_comm"
@@ -362,6 +373,8 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
             acc["gemm"].append(t)
         if op.kind is OpKind.ATTENTION or (op.matmul and op.region.value != "none"):
             acc["attention"].append(t)
+    for (name, coll, group, _), size in buckets.items():
+        acc[name].append(collective_time(coll, group, size, order))
     return SectionTime(
         fwd=_sum(acc["fwd"]),
         bwd=_sum(acc["bwd"]),
