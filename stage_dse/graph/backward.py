@@ -336,7 +336,8 @@ def _elementwise(bw: Backward, op: Op) -> None:
 
 
 def _norm(bw: Backward, op: Op) -> None:
-    """Input gradient and the per-channel parameter gradients in one kernel."""
+    """Input gradient and the per-channel parameter gradients in one kernel (a loss has no
+    parameters: softmax minus one-hot, from the kept fp32 probabilities)."""
     dy = bw.resolved(op.outputs[0])
     ew = op.elementwise
     assert ew is not None
@@ -359,17 +360,6 @@ def _bias(bw: Backward, op: Op) -> None:
     _pointwise_kernel(bw, op, dy, [], wgrads, 0)
     for p, g in wgrads:
         bw.accumulate(p, g)
-
-
-def _loss(bw: Backward, op: Op) -> None:
-    """Softmax minus one-hot, from the kept fp32 probabilities."""
-    dy = bw.resolved(op.outputs[0])
-    ew = op.elementwise
-    assert ew is not None
-    x = op.inputs[0]
-    dxs = [bw.grad_like(x, x.layout)]
-    _pointwise_kernel(bw, op, dy, dxs, [], ew.bwd_flops_per_elem)
-    bw.accumulate(x, dxs[0])
 
 
 def _embedding(bw: Backward, op: Op) -> None:
@@ -405,7 +395,7 @@ BACKWARD_RULES: dict[OpKind, Rule] = {
     OpKind.ELEMENTWISE: _elementwise,
     OpKind.NORM: _norm,
     OpKind.BIAS: _bias,
-    OpKind.LOSS: _loss,
+    OpKind.LOSS: _norm,
     OpKind.EMBEDDING: _embedding,
 }
 """The backward rule of each forward op kind (an optimizer step has none)."""
