@@ -514,3 +514,55 @@ def test_trace_cli_config_check_and_json(tmp_path, capsys):
     assert proc.wait() == 0 and "Traceback" not in err and "BrokenPipe" not in err
     assert trace_main(["config", str(out), "plan.tp=[1,2]"]) == 2
     assert "give exactly one value" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- simulator semantics
+def test_all_gather_size_is_each_ranks_input(tmp_path):
+    """ASTRA-sim's ring all-gather sends ``comm_size`` at every step and ends with
+    ``comm_size x group size`` (Ring.cc: final_data_size = data_size * nodes_in_ring): the
+    sequence-parallel gather of the layer input carries one rank's shard, b x s/tp x h x 2."""
+    plan = ParallelPlan(dp=1, tp=2, sequence_parallel=True)
+    write_trace_set(tiny_cfg(plan), tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    _, nodes = decode(tmp_path / "trace.0.et")
+    sizes = {
+        kind: {attrs(n)["comm_size"] for n in nodes if attrs(n).get("comm_type") == kind}
+        for kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER)
+    }
+    shard = 1 * (128 // 2) * 256 * 2
+    assert sizes[pb.ALL_GATHER] == {shard}
+    # reduce-scatters name their full input buffer
+    assert sizes[pb.REDUCE_SCATTER] == {2 * shard}
+
+
+def test_every_comp_node_is_timeable_by_a_roofline_simulator(tmp_path):
+    write_trace_set(tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2)), tmp_path)
+    _, nodes = decode(tmp_path / "trace.0.et")
+    comps = [attrs(n) for n in nodes if n.type == pb.COMP_NODE]
+    assert all(c["num_ops"] > 0 and c["tensor_size"] > 0 for c in comps)
+    # the embedding lookup does no arithmetic: one operation, timed by its bytes
+    _, first = decode(tmp_path / "trace.0.et")
+    assert attrs(first[0])["num_ops"] == 1 and first[0].name == "word_embedding"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_ops", 0, "COMP node needs num_ops > 0"),
+        ("tensor_size", 0, "COMP node needs num_ops > 0 and tensor_size > 0"),
+        ("comm_size", 0, "collective of 0 bytes"),
+    ],
+)
+def test_checker_rejects_what_a_simulator_cannot_time(tmp_path, field, value, message):
+    write_trace_set(tiny_cfg(ParallelPlan(dp=2, tp=2, pp=2)), tmp_path)
+    path = tmp_path / "trace.0.et"
+    meta, nodes = decode(path)
+    for n in nodes:
+        hit = [a for a in n.attr if a.name == field]
+        if hit:
+            kind = hit[0].WhichOneof("value")
+            setattr(hit[0], kind, value)
+            break
+    rewrite(path, meta, nodes)
+    problems = check_trace_dir(tmp_path)
+    assert any(message in p for p in problems), problems

@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from stage_dse.trace.encode import SUPPORTED_COLLECTIVES, NodeType, read_trace
+from stage_dse.trace.program import MEMORY_ONLY_OPS
 
 __all__ = ["check_templates", "check_trace_dir"]
 
@@ -99,7 +100,13 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
                         f"rank {rank} node {node.id}: attr {name} is {kind}, needs {want}"
                     )
             if node.type == NodeType.COMP_NODE:
-                comp_flops += attrs.get("num_ops", (None, 0))[1]
+                num_ops = attrs.get("num_ops", (None, 0))[1]
+                if num_ops <= 0 or attrs.get("tensor_size", (None, 0))[1] <= 0:
+                    problems.append(
+                        f"rank {rank} node {node.id}: COMP node needs num_ops > 0 and "
+                        "tensor_size > 0 (a roofline simulator divides one by the other)"
+                    )
+                comp_flops += num_ops if num_ops > MEMORY_ONLY_OPS else 0
             elif node.type == NodeType.COMM_COLL_NODE:
                 ctype = attrs.get("comm_type", (None, -1))[1]
                 if ctype not in SUPPORTED_COLLECTIVES:
@@ -115,7 +122,10 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
                 gid = int(pg)
                 if gid not in groups or rank not in groups[gid]:
                     problems.append(f"rank {rank} node {node.id}: not a member of group {gid}")
-                per_group[gid].append((int(ctype), int(attrs.get("comm_size", (None, 0))[1])))
+                size = int(attrs.get("comm_size", (None, 0))[1])
+                if size <= 0:
+                    problems.append(f"rank {rank} node {node.id}: collective of {size} bytes")
+                per_group[gid].append((int(ctype), size))
                 events.append(gid)
             elif node.type == NodeType.COMM_SEND_NODE:
                 a = attrs

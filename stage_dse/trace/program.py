@@ -7,6 +7,15 @@ of ops into COMP / COMM_COLL / SEND / RECV nodes with their dependencies, and
 peers as per-rank slots. Which ops run in which order is decided by
 :mod:`stage_dse.trace.schedule`; files are written by :mod:`stage_dse.trace.write`.
 
+Field semantics follow ASTRA-sim, the reference consumer (``astra-sim/workload/Workload.cc`` and
+``system/astraccl/native_collectives/collective_algorithm/Ring.cc``): a collective's
+``comm_size`` is bytes per rank, the full buffer for all-reduce, reduce-scatter and all-to-all
+and each rank's *input* for all-gather (the ring sends it at every step and ends with
+``comm_size x group size``); in roofline mode a COMP node takes
+``num_ops / min(peak, bandwidth x num_ops / tensor_size)``, so every COMP node has a positive
+``tensor_size`` and ``num_ops`` (:data:`MEMORY_ONLY_OPS` for a kernel without flops, which the
+roofline then times by its bytes). ``duration_micros`` is the cost model's time (replay mode).
+
 Dependencies: compute nodes depend on the previous compute node (one stream) and on the
 collectives whose results they consume; collectives depend on the compute that produced their
 input. Compute between two collectives is one COMP node (``granularity="segment"``) or one node
@@ -31,6 +40,7 @@ from stage_dse.trace import encode as enc
 
 __all__ = [
     "COLL_TYPE",
+    "MEMORY_ONLY_OPS",
     "OpNumbers",
     "Piece",
     "Program",
@@ -41,6 +51,9 @@ __all__ = [
     "op_numbers",
     "symbol_subs",
 ]
+
+MEMORY_ONLY_OPS = 1
+"""``num_ops`` of a COMP node whose kernels do no arithmetic; not counted as flops."""
 
 COLL_TYPE = {
     CollKind.ALL_REDUCE: enc.CollType.ALL_REDUCE,
@@ -157,8 +170,10 @@ class Program:
         )
         attrs = (
             enc.attr_bool("is_cpu_op", False)
-            + enc.attr_int64("num_ops", flops)
-            + enc.attr_uint64("tensor_size", size)
+            # a kernel without flops (a lookup, a copy) carries one operation so that a
+            # roofline simulator times it by its bytes instead of dividing 0 by 0
+            + enc.attr_int64("num_ops", max(flops, MEMORY_ONLY_OPS))
+            + enc.attr_uint64("tensor_size", max(size, 1))
         )
         self.pieces.append(
             Piece(
@@ -182,7 +197,10 @@ class Program:
         if self.group_size(op.group) == 1:
             return  # a one-rank group moves nothing
         n = self.numbers[id(op)]
-        self.collective_node(op.name, op.coll, op.group, n.comm_bytes, n.micros, blocking, per_step)
+        size = n.comm_bytes
+        if op.coll is CollKind.ALL_GATHER:  # the simulator's size is each rank's input
+            size = n.comm_bytes // self.group_size(op.group)
+        self.collective_node(op.name, op.coll, op.group, size, n.micros, blocking, per_step)
 
     def collective_node(
         self,
