@@ -566,3 +566,12 @@ def test_checker_rejects_what_a_simulator_cannot_time(tmp_path, field, value, me
     rewrite(path, meta, nodes)
     problems = check_trace_dir(tmp_path)
     assert any(message in p for p in problems), problems
+
+
+def test_check_and_json_of_missing_paths_are_one_line_errors(tmp_path, capsys):
+    assert trace_main(["check", str(tmp_path / "nope")]) == 2
+    assert trace_main(["json", str(tmp_path / "nope.0.et")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert err[0].startswith("stage-dse-trace: error: ") and "not a trace set" in err[0]
+    assert "no trace file" in err[1]

@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         for w in ts.warnings:
             print(f"warning: {w}")
     elif args.cmd == "check":
+        if not (Path(args.dir) / "comm_groups.json").is_file():
+            raise ConfigError(f"{args.dir} is not a trace set (no comm_groups.json there)")
         problems = check_trace_dir(args.dir)
         if problems:
             for p in problems[:20]:
@@ -323,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "json":
         from google.protobuf.json_format import MessageToDict
 
+        if not Path(args.file).is_file():
+            raise ConfigError(f"no trace file {args.file}")
         meta, nodes = read_trace(args.file)
         try:
             print(json.dumps(MessageToDict(meta)))
