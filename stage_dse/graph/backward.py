@@ -370,18 +370,13 @@ def _embedding(bw: Backward, op: Op) -> None:
     ids, table = op.inputs
     over = {m for ax in ids.axes for m in ids.split_of(ax)}
     dtable = bw.grad_like(table, table.layout, over)
-    bw.g._record(
-        Op(
-            kind=OpKind.EMBEDDING,
-            name=f"d_{op.name}",
-            inputs=(dy, ids),
-            outputs=(dtable,),
-            phase=Phase.BACKWARD,
-            scope=bw.g._scope,
-            flops=dy.local_numel,
-            global_flops=dy.numel,
-            bytes=2 * dy.local_bytes + ids.local_bytes,
-        )
+    bw.record(
+        op,
+        inputs=(dy, ids),
+        outputs=(dtable,),
+        flops=dy.local_numel,
+        global_flops=dy.numel,
+        bytes=2 * dy.local_bytes + ids.local_bytes,
     )
     bw.accumulate(table, dtable)
 
