@@ -439,3 +439,28 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
     assert failed > 0 and len(errors) == failed and report.status["error"] == failed
     assert (errors["reason"] == "RuntimeError: worker exploded").all()
     assert len(df) == report.valid and df["config_hash"].is_unique
+
+
+def test_summary_covers_only_the_rows_of_this_run(tmp_path, capsys):
+    """Two runs into one results folder (Llama-3-8B, then Llama-3-70B): the second run's top
+    table lists only 70B plans and says how many other rows it left out."""
+    common = [
+        f"results_dir={tmp_path}",
+        "runner=local",
+        "runner.progress=false",
+        "sweep_name=shared",
+        "num_gpus=[64]",
+        "plan.tp=[8]",
+        "plan.micro_batch_size=[1]",
+        "plan.zero_stage=[1]",
+    ]
+    run(compose_cfg([*common, "model=llama3_8b"]))
+    capsys.readouterr()
+    run(compose_cfg([*common, "model=llama3_70b"]))
+    out = capsys.readouterr().out
+    top = out.split("feasible plans:")[1].strip().splitlines()
+    rows = [line for line in top[1:] if line.strip()]
+    assert rows and all(line.split()[0] == "llama3_70b" for line in rows)
+    df = load(tmp_path / "shared")
+    others = int((df["model"] == "llama3_8b").sum())
+    assert others > 0 and f"{others:,} other rows in the folder are not shown" in out

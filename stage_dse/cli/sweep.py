@@ -31,6 +31,31 @@ def _fmt_counter(c: Counter, indent: str = "  ") -> str:
     return "\n".join(f"{indent}{n:>12,}  {reason}" for reason, n in c.most_common())
 
 
+def _rows_of_run(df, workload: str, models, hardware, cluster: str, gpus=None, training=None):
+    """The rows of one run's configurations (a results folder may hold other runs' rows too):
+    same workload, models, hardware (Optuna's capacity variants ``name@..GiB`` included),
+    cluster, GPU counts and training step."""
+    hw = df["hardware"].astype(str).str.split("@").str[0]
+    keep = (
+        (df["workload"].astype(str) == workload)
+        & df["model"].astype(str).isin(list(models))
+        & hw.isin(list(hardware))
+        & (df["cluster"].astype(str) == cluster)
+    )
+    if gpus is not None:
+        keep &= df["num_gpus"].isin(list(gpus))
+    if training is not None:
+        keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
+        keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
+    rows = df[keep]
+    if len(rows) < len(df):
+        print(
+            f"(summary over the {len(rows):,} rows of this run's configurations; "
+            f"{len(df) - len(rows):,} other rows in the folder are not shown)"
+        )
+    return rows
+
+
 def _print_outcomes(store, df, report, rejected_title: str) -> None:
     print(
         f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,} "
@@ -83,6 +108,17 @@ def run(cfg: DictConfig) -> int:
     if report.trial_states:
         print("optuna trials by state:")
         print(_fmt_counter(report.trial_states))
+    hardware = [hw.name for hw in (*spec.hardware, *(search.hardware if search else ()))]
+    gpus = {*spec.gpu_counts, *(search.gpus if search else ())}
+    df = _rows_of_run(
+        df,
+        "training",
+        [m.name for m in spec.models],
+        hardware,
+        spec.cluster.name,
+        gpus,
+        spec.training,
+    )
     rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
     top = top_table(df, cfg.top_k, by=rank_by)
     label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
@@ -114,6 +150,9 @@ def _run_serving(cfg: DictConfig) -> int:
     report = run_serving(spec, store)
     df = store.read()
     _print_outcomes(store, df, report, "configurations rejected, by rule:")
+    df = _rows_of_run(
+        df, "serving", [spec.model.name], [hw.name for hw in spec.hardware], spec.cluster.name
+    )
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
     print(top.to_string(index=False) if len(top) else "  none fits")
