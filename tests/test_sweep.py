@@ -464,3 +464,24 @@ def test_summary_covers_only_the_rows_of_this_run(tmp_path, capsys):
     df = load(tmp_path / "shared")
     others = int((df["model"] == "llama3_8b").sum())
     assert others > 0 and f"{others:,} other rows in the folder are not shown" in out
+
+
+def test_plot_keeps_questions_apart_and_ignores_serving_rows(tmp_path):
+    """Training runs of two sequence lengths and a serving run in one folder: the plots draw
+    one series per question and do not trip over serving rows (which have no step time)."""
+    from stage_dse.results.plots import plot_results
+
+    common = [f"results_dir={tmp_path}", "runner=local", "runner.progress=false"]
+    common += ["sweep_name=mixed", "num_gpus=[8]", "plan.micro_batch_size=[1]"]
+    for seq in (2048, 4096):
+        run(compose_cfg([*common, f"training.seq_len={seq}"]))
+    run(compose_cfg([*common, "workload=serving", "serving.batch_size=[1]"]))
+    df = load(tmp_path / "mixed")
+    assert set(df["workload"].astype(str)) == {"training", "serving"}
+    files = plot_results(tmp_path / "mixed", tmp_path / "png")
+    assert [f.name for f in files] == [
+        "step_time_vs_gpus.png",
+        "pareto_time_memory.png",
+        "memory_breakdown.png",
+    ]
+    assert all(f.stat().st_size > 0 for f in files)

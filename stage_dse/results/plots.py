@@ -25,17 +25,25 @@ GIB = 2.0**30
 
 def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]:
     df = load(path)
-    ok = df[df["status"] == "ok"]
+    # training plans only (serving rows have no step time); one series per model, hardware
+    # and training step, so runs of different questions are never joined into one line
+    ok = df[(df["status"] == "ok") & (df["workload"].astype(str) == "training")]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if len(ok) == 0:
         return written
+    series = ["model", "hardware", "seq", "global_batch"]
+    groups = list(ok.groupby(series, observed=True))
+
+    def label(key) -> str:
+        model, hw, seq, batch = key
+        return f"{model} / {hw} / seq {seq} / batch {batch}"
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (model, hw), group in ok.groupby(["model", "hardware"]):
+    for key, group in groups:
         best = best_per(group, "num_gpus")
-        ax.plot(best["num_gpus"], best["step_s"], marker="o", label=f"{model} / {hw}")
+        ax.plot(best["num_gpus"], best["step_s"], marker="o", label=label(key))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("best step time (s)")
@@ -45,15 +53,18 @@ def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]
     written.append(_save(fig, out / "step_time_vs_gpus.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter(ok["mem_total_bytes"] / GIB, ok["step_s"], s=4, alpha=0.3, label="feasible plans")
-    front = pareto(ok, ["step_s", "mem_total_bytes"]).sort_values("mem_total_bytes")
-    ax.plot(
-        front["mem_total_bytes"] / GIB,
-        front["step_s"],
-        color="C3",
-        marker="o",
-        label="Pareto front",
-    )
+    for i, (key, group) in enumerate(groups):  # one front per question, never across them
+        color = f"C{i % 10}"
+        ax.scatter(group["mem_total_bytes"] / GIB, group["step_s"], s=4, alpha=0.2, color=color)
+        front = pareto(group, ["step_s", "mem_total_bytes"]).sort_values("mem_total_bytes")
+        ax.plot(
+            front["mem_total_bytes"] / GIB,
+            front["step_s"],
+            color=color,
+            marker="o",
+            label=f"Pareto front: {label(key)}",
+        )
+    ax.set_yscale("log")
     ax.set_xlabel("memory per GPU (GiB)")
     ax.set_ylabel("step time (s)")
     ax.set_title("Step time vs memory")
@@ -61,9 +72,13 @@ def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "pareto_time_memory.png"))
 
-    best = ok.sort_values("step_s").head(top)
+    # the memory of the fastest plans of the question holding the fastest plan overall
+    fastest_key = tuple(ok.sort_values("step_s").iloc[0][series])
+    question = dict(groups)[fastest_key]
+    best = question.sort_values("step_s").head(top)
     labels = [
-        f"dp{r.dp} tp{r.tp} pp{r.pp} cp{r.cp}\nmbs{r.micro_batch} z{r.zero_stage} {r.recompute[:3]}"
+        f"dp{r.dp} tp{r.tp} pp{r.pp} cp{r.cp} ep{r.ep}\n"
+        f"mbs{r.micro_batch} zero{r.zero_stage} {r.recompute}"
         for r in best.itertuples()
     ]
     parts = [
@@ -79,9 +94,12 @@ def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]
         vals = (best[col] / GIB).tolist()
         ax.bar(range(len(best)), vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    limit = float(best["usable_memory"].max()) / GIB
+    ax.axhline(limit, color="k", linestyle="--", linewidth=1, label=f"usable {limit:.0f} GiB")
+    ax.set_ylim(0, max(limit, max(bottom)) * 1.1)
     ax.set_xticks(range(len(best)), labels, fontsize=7, rotation=35, ha="right")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"Memory of the {len(best)} fastest plans")
+    ax.set_ylabel("GiB per GPU (heaviest stage)")
+    ax.set_title(f"Memory of the {len(best)} fastest plans: {label(fastest_key)}", fontsize=9)
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "memory_breakdown.png"))
     return written
