@@ -346,3 +346,18 @@ def test_decode_trace_passes_the_checker(tmp_path, preset, plan):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
     assert manifest["decode_steps"] == 3
+
+
+def test_serving_sweep_without_a_valid_configuration_is_an_error(tmp_path):
+    """Like a training sweep, a serving sweep whose every configuration breaks a rule stops
+    with the rule, the model's numbers kept (tp(3) does not divide heads(32))."""
+    spec = ServingSweepSpec(
+        name="serve",
+        model=load_model("llama3_8b"),
+        hardware=(H100,),
+        cluster=load_cluster("dgx_h100"),
+        tp=(3,),
+        batch_sizes=(1, 8),
+    )
+    with pytest.raises(ConfigError, match=r"most often: tp does not divide heads\(32\) \(2 of"):
+        run_serving(spec, ResultStore(tmp_path / "serve"), log=lambda s: None)

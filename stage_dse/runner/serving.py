@@ -10,6 +10,7 @@ memory columns hold the serving footprint, training-only columns are null.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable
 
@@ -74,6 +75,12 @@ def run_serving(
         rows.append(row)
         keys.append(key)
     report.valid = len(rows)
+    if not rows and report.rejected:
+        reason, n = report.rejected.most_common(1)[0]
+        raise ConfigError(
+            f"no valid serving configuration among {report.candidates:,}; most often: "
+            f"{reason} ({n:,} of them)"
+        )
     log(
         f"serving sweep {spec.name}: {report.valid:,} valid configurations of "
         f"{report.candidates:,} ({sum(report.rejected.values()):,} rejected)"
@@ -106,9 +113,13 @@ def run_serving(
     return report
 
 
+_PLAN_VALUE = re.compile(r"\b(tp|pp|ep|dp|batch_size|prompt_len)\(\d+\)")
+
+
 def _rule(message: str) -> str:
-    """Group rejection messages by their rule (the text without the numbers)."""
-    return "".join(ch for ch in message if not ch.isdigit())
+    """Group rejection messages by their rule: the plan's own values are dropped, the model's
+    kept (``tp(3) does not divide heads(64)`` -> ``tp does not divide heads(64)``)."""
+    return _PLAN_VALUE.sub(r"\1", message)
 
 
 def serving_top_table(df: pd.DataFrame, k: int = 10, by: str = "decode_tokens_per_s_per_gpu"):
