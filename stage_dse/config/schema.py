@@ -25,6 +25,7 @@ from stage_dse.spec import (
     SweepSpec,
     TrainingSpec,
 )
+from stage_dse.spec._validate import MAX_GPUS
 
 __all__ = [
     "Config",
@@ -311,6 +312,8 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
     for n in num_gpus:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
+        if n > MAX_GPUS:
+            raise ConfigError(f"num_gpus={n} is beyond {MAX_GPUS:,}, past physical sense")
     cluster = cluster_from_dict(cluster_data)
     budget = c["budget"]
     mem = budget.get("memory_gib")

@@ -11,11 +11,20 @@ from stage_dse.errors import ConfigError
 E = TypeVar("E", bound=Enum)
 
 
-def positive_int(owner: str, field: str, value: object) -> None:
+MAX_GPUS = 10**7
+"""More GPUs than any cluster holds (the largest are ~10^5): rejected at the edge, so no
+product of degrees or counts can overflow 64-bit integers downstream."""
+MAX_TOKENS = 10**8
+"""Sequence lengths, batch sizes and model dimensions beyond this make no physical sense."""
+
+
+def positive_int(owner: str, field: str, value: object, maximum: int = MAX_TOKENS) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{owner}.{field} must be an integer, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{owner}.{field} must be > 0, got {value}")
+    if value > maximum:
+        raise ConfigError(f"{owner}.{field}={value} is beyond {maximum:,}, past physical sense")
 
 
 def non_negative_int(owner: str, field: str, value: object) -> None:

@@ -23,7 +23,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import non_negative_number, positive_int, positive_number
+from stage_dse.spec._validate import (
+    MAX_GPUS,
+    non_negative_number,
+    positive_int,
+    positive_number,
+)
 
 __all__ = ["ClusterSpec", "HardwareSpec"]
 
@@ -129,8 +134,8 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         owner = "cluster"
-        positive_int(owner, "num_gpus", self.num_gpus)
-        positive_int(owner, "gpus_per_node", self.gpus_per_node)
+        positive_int(owner, "num_gpus", self.num_gpus, MAX_GPUS)
+        positive_int(owner, "gpus_per_node", self.gpus_per_node, MAX_GPUS)
         for f in ("intra_bandwidth_bytes_per_s", "inter_bandwidth_bytes_per_s", "oversubscription"):
             positive_number(owner, f, getattr(self, f))
         for f in (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import coerce_enum, divides, positive_int
+from stage_dse.spec._validate import MAX_GPUS, coerce_enum, divides, positive_int
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
@@ -123,7 +123,7 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         owner = "plan"
         for field in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
-            positive_int(owner, field, getattr(self, field))
+            positive_int(owner, field, getattr(self, field), MAX_GPUS)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for flag in (
@@ -248,7 +248,7 @@ def validate_plan(
                 "(required by the interleaved schedule)"
             )
     if num_gpus is not None:
-        positive_int("cluster", "num_gpus", num_gpus)
+        positive_int("cluster", "num_gpus", num_gpus, MAX_GPUS)
         if plan.num_gpus != num_gpus:
             raise ConfigError(
                 f"dp({plan.dp})*tp({plan.tp})*pp({plan.pp})*cp({plan.cp})"

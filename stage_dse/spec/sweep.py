@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
+from stage_dse.spec._validate import MAX_GPUS, positive_int
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
@@ -34,7 +35,16 @@ SAMPLERS = ("tpe", "nsga2", "random")
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending, by trial division up to its square root."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +138,7 @@ class SweepSpec:
         for n in self.gpu_counts:
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
+            positive_int("sweep", "num_gpus", n, MAX_GPUS)
             per_node = self.cluster.gpus_per_node
             if n > per_node and n % per_node:
                 raise ConfigError(
