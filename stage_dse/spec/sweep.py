@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import MAX_GPUS, positive_int
+from stage_dse.spec._validate import MAX_GPUS, one_of, positive_int
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
@@ -179,10 +179,7 @@ class OptunaSpec:
                 )
         if self.n_trials <= 0 or self.batch_size <= 0:
             raise ConfigError("search.n_trials and search.batch_size must be > 0")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(
-                f"search.sampler={self.sampler!r} is not one of: {', '.join(SAMPLERS)}"
-            )
+        one_of("search", "sampler", self.sampler, SAMPLERS)
 
 
 @dataclass(frozen=True, kw_only=True)
