@@ -351,3 +351,85 @@ def test_groups_beyond_a_pod_share_an_oversubscribed_fabric():
 
     inside, across = per_gb(256), per_gb(512)
     assert across / inside == pytest.approx(7 * (511 / 512) / (255 / 256), rel=1e-6)
+
+
+# ------------------------------------------------- backward tensor-parallel reductions
+def _gpt_22b_layer(plan_kwargs):
+    """Korthikanti et al.'s 22B layer on one DGX A100 node (tp 8, micro-batch 4)."""
+    from stage_dse.spec import ModelSpec
+
+    model = ModelSpec(
+        name="gpt_22b",
+        num_layers=48,
+        hidden_size=6144,
+        ffn_hidden_size=4 * 6144,
+        num_heads=64,
+        vocab_size=51200,
+    )
+    plan = ParallelPlan(micro_batch_size=4, attention="materialized", **plan_kwargs)
+    training = TrainingSpec(seq_len=2048, global_batch_size=4 * plan.dp)
+    cluster = load_cluster("dgx_a100", num_gpus=plan.num_gpus)
+    return evaluate_plan(
+        model, training, plan, hardware=load_hardware("a100_80gb"), cluster=cluster
+    )
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_backward_reductions_run_under_the_weight_gradient_gemm(sequence_parallel):
+    """Megatron-LM (since Sept. 2021) launches a linear layer's input-gradient all-reduce (or
+    reduce-scatter) before its weight-gradient GEMM and the re-gather of a sequence-parallel
+    input before its input-gradient GEMM: backward hides part of its tensor-parallel traffic,
+    forward none; what stays exposed is never negative."""
+    on = _gpt_22b_layer({"tp": 8, "sequence_parallel": sequence_parallel})
+    off = _gpt_22b_layer(
+        {"tp": 8, "sequence_parallel": sequence_parallel, "tp_dgrad_overlap": False}
+    )
+    assert on["time_layer_fwd_s"] == pytest.approx(off["time_layer_fwd_s"], rel=1e-12)
+    hidden = off["time_layer_bwd_s"] - on["time_layer_bwd_s"]
+    # two linear layers with a reduction each (QKV's partner is the q projection's GEMM)
+    assert 0.3e-3 < hidden < off["time_tp_comm_s"] / 2
+    assert on["time_tp_comm_s"] < off["time_tp_comm_s"] and on["time_step_s"] < off["time_step_s"]
+    one = _gpt_22b_layer({"tp": 1, "dp": 8})
+    one_off = _gpt_22b_layer({"tp": 1, "dp": 8, "tp_dgrad_overlap": False})
+    assert one["time_step_s"] == one_off["time_step_s"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_trace_issues_backward_reductions_beside_the_weight_gradient_gemm(
+    tmp_path, sequence_parallel
+):
+    """In the trace the reduction of an input gradient depends on the GEMM that produced it,
+    the weight-gradient GEMM does not wait for it, and the kernel after both waits for both;
+    without the overlap the weight-gradient GEMM runs first and the reduction after it."""
+    from stage_dse.trace import TraceConfig, write_trace_set
+    from stage_dse.trace import et_def_pb2 as pb
+    from stage_dse.trace.encode import read_trace
+
+    model = load_model("llama3_8b").replace(num_layers=2, vocab_size=32000)
+    training = TrainingSpec(seq_len=256, global_batch_size=2)
+    found = {}
+    for overlap in (True, False):
+        plan = ParallelPlan(
+            tp=2, dp=1, sequence_parallel=sequence_parallel, tp_dgrad_overlap=overlap
+        )
+        cfg = TraceConfig(model, training, plan, H100, load_cluster("dgx_h100", num_gpus=8))
+        out = tmp_path / str(overlap)
+        write_trace_set(cfg, out)
+        nodes = list(read_trace(out / "trace.0.et")[1])
+        by_id = {n.id: n for n in nodes}
+        kind = "reduce_scatter" if sequence_parallel else "all_reduce"
+        comm = next(n for n in nodes if n.name == f"{kind}:d_post_attention_norm<-gate_proj")
+        wgrad = next(
+            n
+            for n in nodes
+            if n.type == pb.COMP_NODE and n.name.endswith("d_gate_proj.weight<-gate_proj")
+        )
+        found[overlap] = (comm, wgrad, by_id, nodes)
+    comm, wgrad, by_id, nodes = found[True]
+    assert wgrad.name == "d_gate_proj.weight<-gate_proj"  # a node of its own
+    assert comm.id not in wgrad.data_deps and comm.id < wgrad.id
+    assert by_id[comm.data_deps[0]].name.endswith("d_post_attention_norm<-gate_proj")
+    after = next(n for n in nodes if n.type == pb.COMP_NODE and n.id > wgrad.id)
+    assert {comm.id, wgrad.id} <= set(after.data_deps)
+    comm, wgrad, _, _ = found[False]
+    assert wgrad.id in comm.data_deps

@@ -294,17 +294,20 @@ def test_compiled_numpy_backend_matches_symengine():
 
 
 def test_validation_against_published_tables():
-    """Narayanan Table 1: mean |error| <= 5%, max <= 10% with one set of A100 constants."""
+    """One set of A100 constants for both tables; neither error may exceed what the model had
+    before per-stage costs, ZeRO-3 schedules, floors and causal attention were added (Table 1
+    3.95% mean / 8.06% max; Table 4 4.42% / 7.82% over its ten forward and backward times)."""
     from stage_dse.validation.published import korthikanti_table4, narayanan_table1
 
     t1 = narayanan_table1()
     assert len(t1) == 10
     errs = t1["err_pct"].abs()
-    assert errs.mean() <= 5.0 and errs.max() <= 10.0
+    assert errs.mean() <= 3.95 and errs.max() <= 8.06
     t4 = korthikanti_table4()
     fwd_err = (t4["predicted_forward_ms"] / t4["forward_ms"] - 1).abs()
     bwd_err = (t4["predicted_backward_ms"] / t4["backward_ms"] - 1).abs()
-    assert fwd_err.max() < 0.1 and bwd_err.max() < 0.15
+    both = 100 * pd.concat([fwd_err, bwd_err])
+    assert both.mean() <= 4.42 and both.max() <= 7.82
 
 
 def test_validate_command_prints_both_summary_lines(capsys):

@@ -105,6 +105,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         overlap_grad_reduce=bool(row["overlap_grad_reduce"]),
         overlap_param_gather=bool(row["overlap_param_gather"]),
         tp_comm_overlap=bool(row["tp_comm_overlap"]),
+        tp_dgrad_overlap=bool(row["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(row["ep_comm_overlap"]),
     )
     hardware = HardwareSpec(
@@ -255,6 +256,7 @@ def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 
         overlap_grad_reduce=sp_.overlap_grad_reduce,
         overlap_param_gather=sp_.overlap_param_gather,
         tp_comm_overlap=sp_.tp_comm_overlap,
+        tp_dgrad_overlap=sp_.tp_dgrad_overlap,
         ep_comm_overlap=sp_.ep_comm_overlap,
         **one,
     )

@@ -140,6 +140,7 @@ class PlanConf:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    tp_dgrad_overlap: bool = True
     ep_comm_overlap: bool = False
 
 

@@ -34,6 +34,7 @@ from functools import lru_cache
 
 import sympy as sp
 
+from stage_dse.cost.expr import _max, _min, _sum
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Region, Role, Scope, Tensor
 from stage_dse.graph.symbols import DEGREE, S
@@ -81,19 +82,6 @@ def group_label(group: Iterable[MeshAxis]) -> str:
     """Canonical name of a communicator group kind, e.g. ``tp`` or ``cp-ep-dp``."""
     members = set(group)
     return "-".join(m.value for m in MESH_ORDER if m in members)
-
-
-def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
-    return sp.Add(*items) if items else sp.Integer(0)
-
-
-def _max(*args: sp.Expr) -> sp.Expr:
-    # unevaluated: sympy would otherwise try to order large expressions symbolically
-    return sp.Max(*args, evaluate=False)
-
-
-def _min(*args: sp.Expr) -> sp.Expr:
-    return sp.Min(*args, evaluate=False)
 
 
 def group_degree(group: Iterable[MeshAxis]) -> sp.Expr:
@@ -333,6 +321,7 @@ class CostKey:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    tp_dgrad_overlap: bool = True
     ep_comm_overlap: bool = False
 
 
@@ -345,6 +334,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
         tp_comm_overlap=plan.tp_comm_overlap,
+        tp_dgrad_overlap=plan.tp_dgrad_overlap,
         ep_comm_overlap=plan.ep_comm_overlap,
     )
 

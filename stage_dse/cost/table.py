@@ -75,6 +75,7 @@ PLAN_KEY_COLUMNS = (
     "overlap_grad_reduce",
     "overlap_param_gather",
     "tp_comm_overlap",
+    "tp_dgrad_overlap",
     "ep_comm_overlap",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
@@ -111,6 +112,7 @@ def key_from_values(v: dict) -> CostKey:
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
         overlap_param_gather=bool(v["overlap_param_gather"]),
         tp_comm_overlap=bool(v["tp_comm_overlap"]),
+        tp_dgrad_overlap=bool(v["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(v["ep_comm_overlap"]),
     )
 
@@ -178,6 +180,7 @@ def config_row(
             "overlap_grad_reduce": plan.overlap_grad_reduce,
             "overlap_param_gather": plan.overlap_param_gather,
             "tp_comm_overlap": plan.tp_comm_overlap,
+            "tp_dgrad_overlap": plan.tp_dgrad_overlap,
             "ep_comm_overlap": plan.ep_comm_overlap,
         }
     )

@@ -76,7 +76,15 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, _recomputed_ops, derive, is_linear
+from stage_dse.cost.derive import (
+    EMBEDDING_GROUP,
+    CostKey,
+    _recomputed_ops,
+    derive,
+    is_linear,
+)
+from stage_dse.cost.expr import _max, _min, _sum, first_max_weights
+from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
 from stage_dse.graph.symbols import DEGREE, S
@@ -86,20 +94,6 @@ __all__ = ["collective_time", "derive_time", "embedding_sync_time", "group_tiers
 
 DATA = frozenset({MeshAxis.DP, MeshAxis.CP})
 ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, OpKind.EMBEDDING)
-
-
-def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
-    items = list(items)
-    return sp.Add(*items) if items else sp.Integer(0)
-
-
-def _max(*args: sp.Expr) -> sp.Expr:
-    # unevaluated: sympy would otherwise try to order large expressions symbolically
-    return sp.Max(*args, evaluate=False)
-
-
-def _min(*args: sp.Expr) -> sp.Expr:
-    return sp.Min(*args, evaluate=False)
 
 
 # --------------------------------------------------------------------------- network
@@ -317,6 +311,8 @@ class SectionTime:
     gemm: sp.Expr
     attention: sp.Expr
     tp_comm: sp.Expr
+    tp_comm_exposed: sp.Expr
+    """Tensor-parallel collectives less what runs under their backward GEMM partner."""
     cp_comm: sp.Expr
     ep_comm: sp.Expr
     """Expert-parallel all-to-all (dispatch and combine): on the critical path."""
@@ -335,6 +331,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
     order = key.rank_order
     rerun = _recomputed_ops(graph, key.recompute)
     savings = _fusion_savings(graph)
+    partners = async_partners(graph)
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
     acc: dict[str, list[sp.Expr]] = defaultdict(list)
     # data-parallel collectives move a layer's parameters or gradients as one flat buffer
@@ -359,9 +356,14 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
             else:
                 name = "tp_comm"
             acc[name].append(t)
-            if name in ("tp_comm", "cp_comm", "ep_comm"):
-                phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
-                acc[phase].append(t)
+            exposed = t
+            partner = partners.get(op) if key.tp_dgrad_overlap and not is_rerun else None
+            if partner is not None:
+                exposed = _max(0, t - _compute_time(partner, savings.get(partner, 0)))
+            if name == "tp_comm":
+                acc["tp_comm_exposed"].append(exposed)
+            phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
+            acc[phase].append(exposed)
             continue
         t = _compute_time(op, savings.get(op, sp.Integer(0)))
         if op.kind is OpKind.OPTIMIZER:
@@ -381,6 +383,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
         gemm=_sum(acc["gemm"]),
         attention=_sum(acc["attention"]),
         tp_comm=_sum(acc["tp_comm"]),
+        tp_comm_exposed=_sum(acc["tp_comm_exposed"]),
         cp_comm=_sum(acc["cp_comm"]),
         ep_comm=_sum(acc["ep_comm"]),
         zero_fwd_comm=_sum(acc["zero_fwd_comm"]),
@@ -443,9 +446,9 @@ def _derive_time(key: CostKey) -> Program:
         fwd = define(f"{label}_fwd", tot("fwd"))
         bwd = define(f"{label}_bwd", tot("bwd"))
         compute = fwd + bwd
-        tp = tot("tp_comm")
-        if key.tp_comm_overlap:
-            tp = _max(0, tp - tot("gemm"))
+        tp = tot("tp_comm_exposed")
+        if key.tp_comm_overlap:  # every collective split and pipelined with a GEMM
+            tp = _min(tp, _max(0, tot("tp_comm") - tot("gemm")))
         ep = tot("ep_comm")
         if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
             ep = _max(0, ep - compute)
@@ -504,18 +507,11 @@ def _derive_time(key: CostKey) -> Program:
 
     # every stage runs every micro-batch: the slowest stage sets the pace
     t = {name: on * define(f"t_mb_{name}", mb_time(st)) for name, (st, _, on) in stages.items()}
-    slowest = {
-        "first": sp.And(sp.Ge(t["first"], t["last"]), sp.Ge(t["first"], t["mid"])),
-        "last": sp.Ge(t["last"], t["mid"]),
-    }
+    w_first, w_last, w_mid = first_max_weights([t["first"], t["last"], t["mid"]])
 
     def pick(name: str) -> sp.Expr:
         st = {k: s for k, (s, _, _) in stages.items()}
-        return sp.Piecewise(
-            (st["first"][name], slowest["first"]),
-            (st["last"][name], slowest["last"]),
-            (st["mid"][name], True),
-        )
+        return w_first * st["first"][name] + w_last * st["last"][name] + w_mid * st["mid"][name]
 
     t_mb = _max(*t.values())
     bubble_mb = (pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1

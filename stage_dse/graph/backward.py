@@ -36,7 +36,7 @@ from stage_dse.graph.ir import (
 )
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["BACKWARD_RULES", "Backward", "derive_backward"]
+__all__ = ["BACKWARD_RULES", "Backward", "async_partners", "derive_backward"]
 
 
 class Backward:
@@ -394,3 +394,44 @@ BACKWARD_RULES: dict[OpKind, Rule] = {
     OpKind.EMBEDDING: _embedding,
 }
 """The backward rule of each forward op kind (an optimizer step has none)."""
+
+
+def async_partners(graph) -> dict[Op, Op]:
+    """The GEMM each backward tensor-parallel collective runs under, as Megatron-LM issues them
+    (``LinearWithGradAccumulationAndAsyncCommunication`` in ``megatron/core/tensor_parallel/
+    layers.py``): the reduction (all-reduce, or reduce-scatter under sequence parallelism) of a
+    linear layer's input gradient is launched before that layer's weight-gradient GEMM and runs
+    under it; the all-gather of its input reissued for the weight gradient runs under the
+    input-gradient GEMM. Chakra traces encode the same: neither GEMM depends on the other's
+    collective. Keys are the collectives, values the GEMM each runs under; a collective is
+    issued just before its GEMM, which does not wait for it."""
+    backward = [op for op in graph.ops if op.phase is Phase.BACKWARD]
+    dgrad: dict[str, Op] = {}
+    wgrad: dict[str, Op] = {}
+    producer: dict[object, Op] = {}
+    for op in backward:
+        for t in op.outputs:
+            producer[t] = op
+        if op.kind is OpKind.EINSUM and "<-" in op.name:
+            source = op.name.split("<-", 1)[1]
+            if op.outputs[0].role is Role.GRAD:
+                wgrad[source] = op
+            elif op.outputs[0].role is Role.ACTIVATION_GRAD:
+                dgrad[source] = op
+    partners: dict[Op, Op] = {}
+    for op in backward:
+        if not op.is_comm or op.group != {MeshAxis.TP}:
+            continue
+        if op.coll in (CollKind.ALL_REDUCE, CollKind.REDUCE_SCATTER):
+            src = producer.get(op.inputs[0])
+            if src is None or src.kind is not OpKind.EINSUM or "<-" not in src.name:
+                continue
+            source = src.name.split("<-", 1)[1]
+            if dgrad.get(source) is src and source in wgrad:
+                partners[op] = wgrad[source]
+        elif op.coll is CollKind.ALL_GATHER and op.regather:
+            for source, w in wgrad.items():
+                if op.outputs[0] in w.inputs and source in dgrad:
+                    partners[op] = dgrad[source]
+                    break
+    return partners

@@ -107,6 +107,7 @@ def family_keys(spec: SweepSpec) -> list:
                 overlap_grad_reduce=sp.overlap_grad_reduce,
                 overlap_param_gather=sp.overlap_param_gather,
                 tp_comm_overlap=sp.tp_comm_overlap,
+                tp_dgrad_overlap=sp.tp_dgrad_overlap,
                 ep_comm_overlap=sp.ep_comm_overlap,
             )
             keys.add(cost_key(model, plan, spec.training))

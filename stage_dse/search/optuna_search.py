@@ -162,6 +162,7 @@ def run_optuna(
                     overlap_grad_reduce=space.overlap_grad_reduce,
                     overlap_param_gather=space.overlap_param_gather,
                     tp_comm_overlap=space.tp_comm_overlap,
+                    tp_dgrad_overlap=space.tp_dgrad_overlap,
                     ep_comm_overlap=space.ep_comm_overlap,
                 )
                 row = plan_row(model, spec.training, plan, hw, cluster)
@@ -282,6 +283,7 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "overlap_grad_reduce": spec.space.overlap_grad_reduce,
             "overlap_param_gather": spec.space.overlap_param_gather,
             "tp_comm_overlap": spec.space.tp_comm_overlap,
+            "tp_dgrad_overlap": spec.space.tp_dgrad_overlap,
             "ep_comm_overlap": spec.space.ep_comm_overlap,
         }
     )

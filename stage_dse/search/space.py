@@ -221,6 +221,7 @@ def enumerate_plans(
         "overlap_grad_reduce": space.overlap_grad_reduce,
         "overlap_param_gather": space.overlap_param_gather,
         "tp_comm_overlap": space.tp_comm_overlap,
+        "tp_dgrad_overlap": space.tp_dgrad_overlap,
         "ep_comm_overlap": space.ep_comm_overlap,
         "num_gpus": n,
         "dp": n // (t_tp * t_pp * t_cp),

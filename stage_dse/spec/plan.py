@@ -116,6 +116,11 @@ class ParallelPlan:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives are pipelined with the GEMMs that produce/consume them
     (Transformer Engine userbuffers); off, they sit on the critical path."""
+    tp_dgrad_overlap: bool = True
+    """In backward, a linear layer's input-gradient reduction runs under its weight-gradient
+    GEMM and the re-gather of its input under its input-gradient GEMM (Megatron-LM's
+    asynchronous tensor-parallel reduction, on by default since September 2021); off, every
+    tensor-parallel collective sits on the critical path (Megatron-LM as in Narayanan et al.)."""
     ep_comm_overlap: bool = False
     """Expert-parallel all-to-alls run under another micro-batch's compute (DeepSeek-V3's
     DualPipe, sec. 3.2.1); off, they sit on the critical path."""
@@ -132,6 +137,7 @@ class ParallelPlan:
             "overlap_grad_reduce",
             "overlap_param_gather",
             "tp_comm_overlap",
+            "tp_dgrad_overlap",
             "ep_comm_overlap",
         ):
             if not isinstance(getattr(self, flag), bool):

@@ -71,6 +71,7 @@ class SearchSpace:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    tp_dgrad_overlap: bool = True
     ep_comm_overlap: bool = False
 
     def __post_init__(self) -> None:

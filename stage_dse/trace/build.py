@@ -30,6 +30,7 @@ import sympy as sp
 from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
 from stage_dse.cost.time import embedding_sync_time
 from stage_dse.errors import ConfigError
+from stage_dse.graph.backward import async_partners
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase
 from stage_dse.graph.transformer import build_graphs
 from stage_dse.spec import (
@@ -95,6 +96,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     boundary_bytes = numbers_boundary(cfg, graphs)
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
+    partners = {g: async_partners(g) if plan.tp_dgrad_overlap else {} for g in graphs.sections}
     rerun = {g: _recomputed_ops(g, key.recompute) for g in graphs.sections}
     step_sync = {
         g: [
@@ -134,7 +136,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 for g, count in reversed(sections):
                     for _ in range(count):
                         emit_ops(prog, rerun[g], consumed[g])
-                        emit_ops(prog, bwd[g], consumed[g])
+                        emit_ops(prog, bwd[g], consumed[g], partners=partners[g])
                         if last_mb:  # bucketed gradient sync of this layer, once per step
                             prog.flush()
                             for op in step_sync[g]:

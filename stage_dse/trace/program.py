@@ -19,7 +19,9 @@ roofline then times by its bytes). ``duration_micros`` is the cost model's time 
 Dependencies: compute nodes depend on the previous compute node (one stream) and on the
 collectives whose results they consume; collectives depend on the compute that produced their
 input. Compute between two collectives is one COMP node (``granularity="segment"``) or one node
-per kernel (``"op"``).
+per kernel (``"op"``). With ``plan.tp_dgrad_overlap`` a linear layer's backward collectives are
+issued before the GEMM they run under, which does not wait for them (the cost model's
+:func:`stage_dse.graph.backward.async_partners`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ class Program:
         self.last_compute: int | None = None
         self.pending_comm: list[int] = []
         """Collectives since the last compute whose results the next compute consumes."""
+        self.deferred_comm: list[int] = []
+        """Collectives issued before a GEMM that runs beside them: the compute after it waits."""
         self.step_comm: list[int] = []
         """Per-step collectives the optimizer waits for."""
         self.segment: list[Op] = []
@@ -151,7 +155,7 @@ class Program:
 
     def compute(self, op: Op) -> None:
         self.segment.append(op)
-        if self.cfg.granularity == "op":
+        if self.cfg.granularity == "op" or self.deferred_comm:
             self.flush()
 
     def flush(self, name: str | None = None) -> None:
@@ -190,10 +194,14 @@ class Program:
         self.counts["COMP_NODE"] += 1
         self.flops += flops
         self.last_compute = nid
-        self.pending_comm = []
+        self.pending_comm, self.deferred_comm = self.deferred_comm, []
         self.segment = []
 
-    def collective(self, op: Op, blocking: bool, per_step: bool = False) -> None:
+    def collective(
+        self, op: Op, blocking: bool, per_step: bool = False, deferred: bool = False
+    ) -> None:
+        """``deferred``: the next compute node runs beside the collective; the one after it
+        waits for it."""
         if self.group_size(op.group) == 1:
             return  # a one-rank group moves nothing
         n = self.numbers[id(op)]
@@ -201,6 +209,8 @@ class Program:
         if op.coll is CollKind.ALL_GATHER:  # the simulator's size is each rank's input
             size = n.comm_bytes // self.group_size(op.group)
         self.collective_node(op.name, op.coll, op.group, size, n.micros, blocking, per_step)
+        if deferred and blocking and not per_step:
+            self.deferred_comm.append(self.pending_comm.pop())
 
     def collective_node(
         self,
@@ -266,13 +276,38 @@ def consumed_ops(graph: Graph) -> set[int]:
     return {id(op) for op in graph.ops if any(t in readers for t in op.outputs)}
 
 
-def emit_ops(prog: Program, ops: list[Op], consumed: set[int], skip_step: bool = True) -> None:
+def issue_order(ops: list[Op], partners: dict[Op, Op]) -> list[Op]:
+    """``ops`` with each collective of ``partners`` moved to just before the GEMM it runs under
+    (:func:`stage_dse.graph.backward.async_partners`)."""
+    if not partners:
+        return ops
+    moved = {under: comm for comm, under in partners.items()}
+    out: list[Op] = []
     for op in ops:
+        if op in partners:
+            continue
+        if op in moved:
+            out.append(moved[op])
+        out.append(op)
+    return out
+
+
+def emit_ops(
+    prog: Program,
+    ops: list[Op],
+    consumed: set[int],
+    skip_step: bool = True,
+    partners: dict[Op, Op] | None = None,
+) -> None:
+    """Nodes of ``ops`` in order; the collectives of ``partners`` run beside their GEMM."""
+    present = set(ops)
+    partners = {c: u for c, u in (partners or {}).items() if c in present and u in present}
+    for op in issue_order(ops, partners):
         if op.kind in (OpKind.VIEW,) or op.coll is CollKind.SLICE:
             continue
         if op.is_comm:
             if op.frequency is Frequency.PER_STEP and skip_step:
                 continue
-            prog.collective(op, blocking=id(op) in consumed)
+            prog.collective(op, blocking=id(op) in consumed, deferred=op in partners)
         elif op.kind is not OpKind.OPTIMIZER:
             prog.compute(op)
