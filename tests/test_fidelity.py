@@ -391,7 +391,7 @@ def test_backward_reductions_run_under_the_weight_gradient_gemm(sequence_paralle
     assert on["time_tp_comm_s"] < off["time_tp_comm_s"] and on["time_step_s"] < off["time_step_s"]
     one = _gpt_22b_layer({"tp": 1, "dp": 8})
     one_off = _gpt_22b_layer({"tp": 1, "dp": 8, "tp_dgrad_overlap": False})
-    assert one["time_step_s"] == one_off["time_step_s"]
+    assert one["time_step_s"] == pytest.approx(one_off["time_step_s"], rel=1e-12)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -478,7 +478,11 @@ def test_selection_fills_trace_dir_for_exactly_the_selected_rows(tmp_path):
     for h, d in zip(marked["config_hash"], marked["trace_dir"]):
         assert d == f"_traces/{h}"
         assert check_trace_dir(store.root / d) == []
-    cols = [c for c in before.columns if c != "trace_dir"]
+    # each traced row records its replayed step time (this model's kernels last a few
+    # microseconds, the trace's time unit, so only its presence is checked here)
+    assert (marked["trace_replay_s"] > 0).all()
+    assert after.loc[after["trace_dir"].isna(), "trace_replay_s"].isna().all()
+    cols = [c for c in before.columns if c not in ("trace_dir", "trace_replay_s")]
     key = before.sort_values("config_hash").reset_index(drop=True)[cols]
     import pandas as pd
 

@@ -177,7 +177,10 @@ def select_and_write(
         if by not in df.columns:
             raise ConfigError(f"--by {by!r} is not a result column")
         chosen = ok.sort_values(by).head(top or 1)
+    from stage_dse.trace.replay import replay_trace_dir
+
     written: dict[str, str] = {}
+    replayed: dict[str, float] = {}
     for _, row in chosen.iterrows():
         h = str(row["config_hash"])
         out = Path(results) / TRACES_DIR / h
@@ -186,11 +189,16 @@ def select_and_write(
         except ConfigError as exc:
             raise ConfigError(f"row {h}: {exc}") from None
         ts = write_trace_set(cfg, out, executor=executor, config_hash=h)
-        log(f"{h}: {ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {out}")
+        replayed[h] = replay_trace_dir(out).step_s
+        log(
+            f"{h}: {ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {out}; "
+            f"replayed step {replayed[h]:.4g} s (cost model {float(row['step_s']):.4g} s)"
+        )
         for w in ts.warnings:
             log(f"  warning: {w}")
         written[h] = str(out.relative_to(results))
     store.set_column("trace_dir", written)
+    store.set_column("trace_replay_s", replayed)
     return list(written)
 
 
@@ -220,7 +228,10 @@ def _serving_config_mode(cfg, out: str, steps: int):
         weights_dtype=spec.weights_dtype,
     )
     cluster = spec.cluster.replace(num_gpus=plan.num_gpus)
-    return write_serving_trace(spec.model, serving, plan, spec.hardware[0], cluster, out, steps)
+    phase = str(cfg.serving.phase)
+    return write_serving_trace(
+        spec.model, serving, plan, spec.hardware[0], cluster, out, steps, phase=phase
+    )
 
 
 def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 4):
@@ -284,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     p_cfg.add_argument("--steps", type=int, default=4, help="decode steps (workload=serving)")
     p_chk = sub.add_parser("check", help="verify a trace set")
     p_chk.add_argument("dir")
+    p_rep = sub.add_parser(
+        "replay", help="critical-path replay of a trace set beside the cost model's step time"
+    )
+    p_rep.add_argument("dir")
+    p_rep.add_argument(
+        "--all-ranks", action="store_true", help="simulate every rank, not one per stage"
+    )
     p_js = sub.add_parser("json", help="print one rank file as JSON, one node per line")
     p_js.add_argument("file")
     args = parser.parse_args(argv)
@@ -324,6 +342,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
         print(f"ok: {manifest['ranks']} ranks, {manifest['total_nodes']} nodes")
+    elif args.cmd == "replay":
+        from stage_dse.trace.replay import replay_trace_dir
+
+        if not Path(args.dir).is_dir():
+            raise ConfigError(f"{args.dir} is not a folder (give a trace set folder)")
+        r = replay_trace_dir(args.dir, all_ranks=args.all_ranks)
+        line = f"replay_step_s={r.step_s:.6g} simulated_ranks={r.simulated_ranks} nodes={r.nodes}"
+        if r.cost_step_s:
+            line += f" cost_step_s={r.cost_step_s:.6g} ratio={r.step_s / r.cost_step_s:.4f}"
+        print(line)
     elif args.cmd == "json":
         from google.protobuf.json_format import MessageToDict
 

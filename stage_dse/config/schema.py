@@ -188,6 +188,8 @@ class ServingConf:
     weights_dtype: str = "bf16"
     hardware: list[str] = field(default_factory=list)
     """Hardware presets to compare (default: the hardware group)."""
+    phase: str = "decode"
+    """The pass ``stage-dse-trace config`` writes: ``decode`` (steps) or ``prefill``."""
 
 
 @dataclass

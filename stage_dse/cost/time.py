@@ -90,9 +90,14 @@ from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
-__all__ = ["collective_time", "derive_time", "embedding_sync_time", "group_tiers"]
+__all__ = [
+    "collective_time",
+    "derive_time",
+    "embedding_sync_time",
+    "group_tiers",
+    "pipeline_hop_time",
+]
 
-DATA = frozenset({MeshAxis.DP, MeshAxis.CP})
 ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, OpKind.EMBEDDING)
 
 
@@ -207,6 +212,19 @@ def collective_time(
     oneshot = S.oneshot_latency + (n_in - 1) * size_bytes / bw_in
     in_domain = sp.And(n_out < sp.Rational(3, 2), S.oneshot_latency > 0)
     return sp.Piecewise((_min(best, oneshot), in_domain), (best, True))
+
+
+def pipeline_hop_time(boundary_bytes: sp.Expr, key: CostKey) -> sp.Expr:
+    """Seconds for one activation (or gradient) to cross a stage boundary. Without sequence
+    parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al. sec. 4.1) sends a
+    1/tp slice over the network and all-gathers it over the tp group."""
+    if key.graph.sequence_parallel:
+        return collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary_bytes, key.rank_order)
+    return collective_time(
+        CollKind.SEND_RECV, {MeshAxis.PP}, boundary_bytes / S.tp, key.rank_order
+    ) + _min(1, S.pp - 1) * collective_time(
+        CollKind.ALL_GATHER, {MeshAxis.TP}, boundary_bytes, key.rank_order
+    )
 
 
 def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
@@ -338,7 +356,9 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
     # (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets): one collective per kind
     buckets: dict[tuple, sp.Expr] = defaultdict(lambda: sp.Integer(0))
     for op, is_rerun in ops:
-        if op.is_comm and op.group & DATA:
+        # data-parallel collectives (gradient sync, ZeRO) include the DP axis; a CP-only group
+        # is the context-parallel ring
+        if op.is_comm and MeshAxis.DP in op.group:
             if op.frequency is Frequency.PER_STEP:
                 name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
             elif op.phase is Phase.FORWARD and not is_rerun:
@@ -483,19 +503,9 @@ def _derive_time(key: CostKey) -> Program:
         "last": (stage("last", [(blk, S.last_layers), (head, 1)]), S.last_layers, 1 - single),
         "mid": (stage("mid", [(blk, S.mid_layers)]), S.mid_layers, has_mid),
     }
-    # Each micro-batch crosses a stage boundary forward and backward once per model chunk.
-    # Without sequence parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al.
-    # sec. 4.1) sends a 1/tp slice over the network and all-gathers it over the tp group.
-    boundary = costs.stage["boundary_bytes"]
+    # each micro-batch crosses a stage boundary forward and backward once per model chunk
     chunks = v if key.schedule is PipelineSchedule.INTERLEAVED else 1
-    if key.graph.sequence_parallel:
-        hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
-    else:
-        hop = collective_time(
-            CollKind.SEND_RECV, {MeshAxis.PP}, boundary / S.tp, key.rank_order
-        ) + _min(1, S.pp - 1) * collective_time(
-            CollKind.ALL_GATHER, {MeshAxis.TP}, boundary, key.rank_order
-        )
+    hop = pipeline_hop_time(costs.stage["boundary_bytes"], key)
     p2p = define("p2p", 2 * chunks * hop)
     # tied embeddings: their gradients are summed over the embedding group after the last
     # backward, before the optimizer step (not overlapped, as in Megatron-LM)

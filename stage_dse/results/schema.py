@@ -140,6 +140,7 @@ _fields += [pa.field(c, pa.float64()) for c in SERVING_COLUMNS.values()]
 _fields += [
     pa.field("package_version", LABEL),
     pa.field("trace_dir", pa.string()),
+    pa.field("trace_replay_s", pa.float64()),
 ]
 HASH_SCHEME = "4"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it

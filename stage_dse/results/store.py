@@ -103,7 +103,7 @@ class ResultStore:
         self._commit(data, final)
         return final
 
-    def set_column(self, column: str, values: dict[str, str]) -> int:
+    def set_column(self, column: str, values: dict[str, object]) -> int:
         """Set ``column`` for the rows whose ``config_hash`` is a key of ``values``; each part
         holding such rows is rewritten atomically under its own name (no row lost or
         duplicated whatever happens). Returns the number of rows changed."""
@@ -124,7 +124,9 @@ class ResultStore:
             new = [values.get(h, o) for h, o in zip(hashes.to_pylist(), old)]
             changed += sum(1 for a, b in zip(old, new) if a != b)
             table = table.set_column(
-                table.schema.get_field_index(column), column, pa.array(new, type=pa.string())
+                table.schema.get_field_index(column),
+                column,
+                pa.array(new, type=RESULT_SCHEMA.field(column).type),
             )
             self._commit(encode_part(table, schema), part)
         return changed

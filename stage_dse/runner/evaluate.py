@@ -226,6 +226,8 @@ def rows_table(
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "trace_dir":
             arrays.append(pa.nulls(n, pa.string()))
+        elif name == "trace_replay_s":
+            arrays.append(pa.nulls(n, pa.float64()))
         elif name in costs:  # NaN (an output the family does not have) is stored as null
             arrays.append(pa.array(costs[name], type=pa.float64(), from_pandas=True))
         else:

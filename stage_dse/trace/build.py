@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import sympy as sp
 
 from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
-from stage_dse.cost.time import embedding_sync_time
+from stage_dse.cost.time import collective_time, embedding_sync_time, pipeline_hop_time
 from stage_dse.errors import ConfigError
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase
@@ -36,6 +37,7 @@ from stage_dse.graph.transformer import build_graphs
 from stage_dse.spec import (
     ClusterSpec,
     HardwareSpec,
+    MeshAxis,
     ModelSpec,
     ParallelPlan,
     TrainingSpec,
@@ -94,18 +96,49 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     pp, v = plan.pp, plan.virtual_stages
     layers = [sum(c) for c in stage_layer_counts(model.num_layers, pp, v, plan.stage_layers)]
     boundary_bytes = numbers_boundary(cfg, graphs)
+    hop = hop_micros(cfg, graphs, key)
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
     partners = {g: async_partners(g) if plan.tp_dgrad_overlap else {} for g in graphs.sections}
     rerun = {g: _recomputed_ops(g, key.recompute) for g in graphs.sections}
+    # data-parallel collectives move one flat buffer per layer and kind, as the cost model
+    # times them (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets)
     step_sync = {
-        g: [
-            op
-            for op in g.ops
-            if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
-        ]
+        g: data_buckets(
+            cfg,
+            [
+                op
+                for op in g.ops
+                if op.phase is Phase.BACKWARD and op.frequency is Frequency.PER_STEP
+            ],
+        )
         for g in graphs.sections
     }
+    param_gather = {
+        g: data_buckets(cfg, [op for op in g.ops if op.phase is Phase.OPTIMIZER])
+        for g in graphs.sections
+    }
+    # ZeRO-2/3 per micro-batch: gathers before forward, regathers (recompute included) before
+    # backward, reduce-scatters after backward; compute no longer waits on per-tensor gathers
+    zero_fwd = {g: data_buckets(cfg, fwd[g], only=_per_mb_data) for g in graphs.sections}
+    zero_regather = {
+        g: data_buckets(
+            cfg,
+            [*rerun[g], *bwd[g]],
+            only=lambda op: _per_mb_data(op) and op.coll is not CollKind.REDUCE_SCATTER,
+            label="regather",
+        )
+        for g in graphs.sections
+    }
+    zero_rs = {
+        g: data_buckets(
+            cfg, bwd[g], only=lambda op: _per_mb_data(op) and op.coll is CollKind.REDUCE_SCATTER
+        )
+        for g in graphs.sections
+    }
+    fwd = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in fwd.items()}
+    bwd = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in bwd.items()}
+    rerun = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in rerun.items()}
     embedding_sync = _embedding_sync(cfg, graphs) if pp > 1 else None
     mesh = Mesh(plan)
     templates = []
@@ -113,38 +146,53 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         prog = Program(cfg, numbers)
         chunks = stage_sections(graphs, model, s, pp, v, plan.stage_layers)
         backwards_done = [0] * v
+        last_rs: list[int] = []
         for phase, mb, c in schedule_order(s, pp, m, v):
             sections = chunks[c]
             link = pipeline_links(s, pp, v, mb, c)
             if phase == "F":
                 if not link.first_virtual:
                     name = f"recv_activation:mb{mb}:c{c}"
-                    prog.p2p(False, link.prev_delta, boundary_bytes, link.from_prev_tag, name)
-                for g, count in sections:
-                    for _ in range(count):
-                        emit_ops(prog, fwd[g], consumed[g])
+                    prog.p2p(False, link.prev_delta, boundary_bytes, link.from_prev_tag, name, hop)
+                instances = [g for g, count in sections for _ in range(count)]
+                # prefetch depth one: layer i+1's gather is issued when layer i starts
+                ahead = issue(prog, zero_fwd[instances[0]]) if instances else []
+                for j, g in enumerate(instances):
+                    prog.flush()
+                    prog.pending_comm.extend(ahead)
+                    ahead = (
+                        issue(prog, zero_fwd[instances[j + 1]]) if j + 1 < len(instances) else []
+                    )
+                    emit_ops(prog, fwd[g], consumed[g])
                 prog.flush()
                 if not link.last_virtual:
                     name = f"send_activation:mb{mb}:c{c}"
-                    prog.p2p(True, link.next_delta, boundary_bytes, link.own_tag, name)
+                    prog.p2p(True, link.next_delta, boundary_bytes, link.own_tag, name, hop)
             else:
                 backwards_done[c] += 1
                 last_mb = backwards_done[c] == m
                 if not link.last_virtual:
                     name = f"recv_gradient:mb{mb}:c{c}"
-                    prog.p2p(False, link.next_delta, boundary_bytes, link.from_next_tag, name)
-                for g, count in reversed(sections):
-                    for _ in range(count):
-                        emit_ops(prog, rerun[g], consumed[g])
-                        emit_ops(prog, bwd[g], consumed[g], partners=partners[g])
-                        if last_mb:  # bucketed gradient sync of this layer, once per step
-                            prog.flush()
-                            for op in step_sync[g]:
-                                prog.collective(op, blocking=False, per_step=True)
+                    prog.p2p(False, link.next_delta, boundary_bytes, link.from_next_tag, name, hop)
+                instances = [g for g, count in reversed(sections) for _ in range(count)]
+                ahead = issue(prog, zero_regather[instances[0]]) if instances else []
+                for j, g in enumerate(instances):
+                    prog.flush()
+                    prog.pending_comm.extend(ahead)
+                    nxt = instances[j + 1] if j + 1 < len(instances) else None
+                    ahead = issue(prog, zero_regather[nxt]) if nxt is not None else []
+                    emit_ops(prog, rerun[g], consumed[g])
+                    emit_ops(prog, bwd[g], consumed[g], partners=partners[g])
+                    if zero_rs[g]:  # the optimizer waits for the last of them (issue order)
+                        prog.flush()
+                        last_rs = issue(prog, zero_rs[g], after=last_rs)
+                    if last_mb:  # bucketed gradient sync of this layer, once per step
+                        prog.flush()
+                        issue(prog, step_sync[g], per_step=True)
                 prog.flush()
                 if not link.first_virtual:
                     name = f"send_gradient:mb{mb}:c{c}"
-                    prog.p2p(True, link.prev_delta, boundary_bytes, link.own_tag + 1, name)
+                    prog.p2p(True, link.prev_delta, boundary_bytes, link.own_tag + 1, name, hop)
         if embedding_sync is not None and s in (0, pp - 1):
             # tied embeddings: both copies' gradients summed over the embedding group
             prog.collective_node(
@@ -156,7 +204,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 per_step=True,
             )
         # optimizer step waits for every gradient synchronization, then ZeRO-1/2 gathers
-        prog.pending_comm = list(prog.step_comm)
+        prog.pending_comm = list(prog.step_comm) + last_rs
         all_sections = [sc for sections in chunks for sc in sections]
         for g, count in all_sections:
             for _ in range(count):
@@ -166,9 +214,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         prog.flush("optimizer_step")
         for g, count in all_sections:
             for _ in range(count):
-                for op in g.ops:
-                    if op.is_comm and op.phase is Phase.OPTIMIZER:
-                        prog.collective(op, blocking=False)
+                issue(prog, param_gather[g])
         t = StageTemplate(
             stage=s, pieces=prog.pieces, nodes=prog.counts, flops=prog.flops, kinds=prog.kinds
         )
@@ -205,6 +251,76 @@ def _embedding_sync(cfg: TraceConfig, graphs) -> tuple[int, int] | None:
     size_bytes = float(sp.sympify(size).xreplace(subs))
     micros = float(sp.sympify(seconds).xreplace(subs)) * 1e6
     return round(size_bytes), max(1, round(micros))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat data-parallel collective: a layer's buffers of one kind over one group."""
+
+    name: str
+    coll: CollKind
+    group: frozenset
+    size_bytes: int
+    """As the trace writes it (all-gather: each rank's input)."""
+    micros: int
+
+
+def _per_mb_data(op) -> bool:
+    return op.is_comm and MeshAxis.DP in op.group and op.frequency is Frequency.PER_MICROBATCH
+
+
+def data_buckets(cfg: TraceConfig, ops, only=None, label: str = "") -> list[Bucket]:
+    """The data-parallel collectives among ``ops`` (those whose group holds DP) as one flat
+    buffer per (kind, group), timed as the cost model times the same bucket."""
+    sizes: dict[tuple, sp.Expr] = {}
+    first: dict[tuple, str] = {}
+    for op in ops:
+        if not (op.is_comm and MeshAxis.DP in op.group) or (only and not only(op)):
+            continue
+        k = (op.coll, op.group)
+        sizes[k] = sizes.get(k, sp.Integer(0)) + op.comm_bytes
+        first.setdefault(k, op.name.split(":", 1)[-1])
+    if not sizes:
+        return []
+    subs = symbol_subs(config_values(cfg))
+    out = []
+    for (coll, group), size in sizes.items():
+        seconds = collective_time(coll, group, size, cfg.plan.rank_order)
+        b = float(sp.sympify(size).xreplace(subs))
+        t = float(sp.sympify(seconds).xreplace(subs))
+        n = int(np.prod([_degree(cfg.plan, a) for a in group]))
+        if n == 1:
+            continue  # a one-rank group moves nothing
+        trace_bytes = b / n if coll is CollKind.ALL_GATHER else b
+        name = f"{coll.value}:{label + ':' if label else ''}{first[(coll, group)]}..(flat)"
+        out.append(Bucket(name, coll, group, max(1, round(trace_bytes)), max(1, round(t * 1e6))))
+    return out
+
+
+def _degree(plan, axis: MeshAxis) -> int:
+    return {
+        MeshAxis.TP: plan.tp,
+        MeshAxis.CP: plan.cp,
+        MeshAxis.EP: plan.ep,
+        MeshAxis.DP: plan.dp // plan.ep,
+        MeshAxis.PP: plan.pp,
+    }[axis]
+
+
+def issue(prog, buckets: list[Bucket], per_step: bool = False, after: list[int] = ()) -> list[int]:
+    """Issue ``buckets`` now, none blocking the next compute; returns their node ids."""
+    return [
+        prog.collective_node(
+            b.name, b.coll, b.group, b.size_bytes, b.micros, False, per_step, after=list(after)
+        )
+        for b in buckets
+    ]
+
+
+def hop_micros(cfg: TraceConfig, graphs, key) -> int:
+    """The cost model's time for one stage-boundary crossing, in whole microseconds."""
+    seconds = pipeline_hop_time(graphs.boundary.local_bytes, key)
+    return max(1, round(float(sp.sympify(seconds).xreplace(symbol_subs(config_values(cfg)))) * 1e6))
 
 
 def numbers_boundary(cfg: TraceConfig, graphs) -> int:

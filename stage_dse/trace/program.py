@@ -221,12 +221,15 @@ class Program:
         micros: int,
         blocking: bool,
         per_step: bool = False,
-    ) -> None:
-        """A collective over the group of ``kind`` holding the rank (its id stamped per rank)."""
+        after: list[int] = (),  # type: ignore[assignment]
+    ) -> int:
+        """A collective over the group of ``kind`` holding the rank (its id stamped per rank);
+        ``after``: further nodes it waits for. Returns its node id."""
         self.flush()
         deps = [self.last_compute] if self.last_compute is not None else []
         if self.pending_comm:
             deps.append(self.pending_comm[-1])
+        deps.extend(d for d in after if d not in deps)
         nid = self._new_id()
         attrs = (
             enc.attr_bool("is_cpu_op", False)
@@ -248,8 +251,11 @@ class Program:
             self.step_comm.append(nid)
         elif blocking:
             self.pending_comm.append(nid)
+        return nid
 
-    def p2p(self, send: bool, delta: int, size: int, tag: int, name: str) -> None:
+    def p2p(self, send: bool, delta: int, size: int, tag: int, name: str, micros: int = 0) -> None:
+        """A send or receive to the stage ``delta`` away; ``micros``: the cost model's time for
+        the boundary crossing (:func:`stage_dse.cost.time.pipeline_hop_time`)."""
         self.flush()
         deps = [self.last_compute] if self.last_compute is not None else []
         nid = self._new_id()
@@ -259,9 +265,8 @@ class Program:
             + enc.attr_int64("comm_size", size)
             + enc.attr_int32("comm_tag", tag)
         )
-        self.pieces.append(
-            Piece(enc.node(nid, name, kind, data_deps=deps, attrs=attrs), ("peer", delta, send))
-        )
+        node = enc.node(nid, name, kind, data_deps=deps, duration_micros=micros, attrs=attrs)
+        self.pieces.append(Piece(node, ("peer", delta, send)))
         self.counts["COMM_SEND_NODE" if send else "COMM_RECV_NODE"] += 1
         if not send:
             self.pending_comm.append(nid)

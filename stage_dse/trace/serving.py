@@ -1,10 +1,14 @@
-"""Chakra traces of serving: a number of decode steps of one configuration.
+"""Chakra traces of serving: the prefill of one batch, or a number of decode steps.
 
-Every rank of a pipeline stage runs, per decode step: receive the previous stage's activation
+Every rank of a pipeline stage runs, per pass: receive the previous stage's activation
 (stage > 0), its layers' forward (tensor-parallel collectives included, KV cache reads and
-writes as part of the attention and cache-write kernels), send to the next stage; the last
-stage samples and sends the new tokens back to the first stage for the next step. Files,
-groups and checks are those of training traces (:mod:`stage_dse.trace.write`).
+writes as part of the attention and cache-write kernels), send to the next stage; in decode the
+last stage samples and sends the new tokens back to the first stage for the next step. Prefill
+is one pass over the prompt (``seq = context = prompt``), decode one token per sequence against
+the mean cache length, as the serving cost model (:mod:`stage_dse.cost.serving`) times them;
+the manifest records that model's time for the same passes (``cost_step_s``: the time to first
+token, or decode steps x time per output token). Files, groups and checks are those of
+training traces (:mod:`stage_dse.trace.write`).
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import sympy as sp
+
 from stage_dse import __version__
 from stage_dse.cost.bind import bind, bind_hardware
-from stage_dse.cost.serving import serving_key
-from stage_dse.graph.ir import Phase
+from stage_dse.cost.serving import serving_key, serving_program
+from stage_dse.cost.time import collective_time
+from stage_dse.errors import ConfigError
+from stage_dse.graph.ir import CollKind, Phase
 from stage_dse.graph.transformer import build_serving_graphs
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan
+from stage_dse.spec import ClusterSpec, HardwareSpec, MeshAxis, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec
 from stage_dse.trace.mesh import Mesh
 from stage_dse.trace.program import (
@@ -52,17 +60,22 @@ def write_serving_trace(
     out: str | Path,
     steps: int = 4,
     prefix: str = "trace",
+    phase: str = "decode",
 ) -> TraceSet:
     from stage_dse.trace.check import check_templates
 
+    if phase not in ("decode", "prefill"):
+        raise ConfigError(f"serving.phase must be decode or prefill, got {phase!r}")
+    if phase == "prefill":
+        steps = 1  # one pass over the prompts of the batch
     key = serving_key(model, serving, plan)
-    graphs = build_serving_graphs(key.graph, "decode", key.kv_bytes)
+    graphs = build_serving_graphs(key.graph, phase, key.kv_bytes)
     like = serving.step_like(hardware, replicas=plan.dp)
     values = {
         **bind(model, like, plan.replace(micro_batch_size=serving.batch_size)),
         **bind_hardware(hardware, cluster.replace(num_gpus=max(plan.num_gpus, 1))),
-        "seq": 1,
-        "context": serving.decode_context,
+        "seq": serving.prompt_len if phase == "prefill" else 1,
+        "context": serving.prompt_len if phase == "prefill" else serving.decode_context,
         "prompt": serving.prompt_len,
         "output_tokens": serving.output_tokens,
     }
@@ -77,6 +90,12 @@ def write_serving_trace(
 
     boundary = int(graphs.boundary.local_bytes.xreplace(subs))
     token_bytes = serving.batch_size * 8
+
+    def hop(size: int) -> int:
+        t = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, sp.Integer(size), plan.rank_order)
+        return max(1, round(float(sp.sympify(t).xreplace(subs)) * 1e6))
+
+    hop_act, hop_tok = hop(boundary), hop(token_bytes)
     pp = plan.pp
     templates = []
     for s in range(pp):
@@ -85,19 +104,19 @@ def write_serving_trace(
         fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g, _ in sections}
         for step in range(steps):
             if s == 0 and step > 0 and pp > 1:
-                prog.p2p(False, pp - 1, token_bytes, 2 * step + 1, f"recv_tokens:step{step}")
+                name = f"recv_tokens:step{step}"
+                prog.p2p(False, pp - 1, token_bytes, 2 * step + 1, name, hop_tok)
             if s > 0:
-                prog.p2p(False, -1, boundary, 2 * step, f"recv_activation:step{step}")
+                prog.p2p(False, -1, boundary, 2 * step, f"recv_activation:step{step}", hop_act)
             for g, count in sections:
                 for _ in range(count):
                     emit_ops(prog, fwd[g], consumed[g])
             prog.flush()
             if s < pp - 1:
-                prog.p2p(True, +1, boundary, 2 * step, f"send_activation:step{step}")
+                prog.p2p(True, +1, boundary, 2 * step, f"send_activation:step{step}", hop_act)
             elif pp > 1 and step < steps - 1:
-                prog.p2p(
-                    True, -(pp - 1), token_bytes, 2 * (step + 1) + 1, f"send_tokens:step{step}"
-                )
+                name = f"send_tokens:step{step}"
+                prog.p2p(True, -(pp - 1), token_bytes, 2 * (step + 1) + 1, name, hop_tok)
         templates.append(
             StageTemplate(
                 stage=s, pieces=prog.pieces, nodes=prog.counts, flops=prog.flops, kinds=prog.kinds
@@ -123,9 +142,13 @@ def write_serving_trace(
             )
             flops_expected += count * f * steps * ranks_per_stage
     warnings = group_id_warnings(mesh)
+    outputs = serving_program(key)
+    pass_s = outputs["serve_ttft_s" if phase == "prefill" else "serve_tpot_s"]
+    cost_s = float(sp.sympify(pass_s).xreplace(subs)) * steps
     manifest = {
         "stage_dse_version": __version__,
-        "workload": "serving (decode)",
+        "workload": f"serving ({phase})",
+        "phase": phase,
         "model": model.name,
         "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "dp": plan.dp},
         "serving": {
@@ -134,11 +157,14 @@ def write_serving_trace(
             "batch_size": serving.batch_size,
             "decode_context": serving.decode_context,
         },
-        "decode_steps": steps,
+        "decode_steps": steps if phase == "decode" else 0,
+        "cost_step_s": cost_s,
+        "pp_stride": mesh.stride[MeshAxis.PP],
         "hardware": hardware.name,
         **set_counts(mesh, templates, prefix, files, total),
         "analytic_flops_total": round(flops_expected),
         "send_recv_tags": "2 * step: activations; 2 * step + 1: sampled tokens (last to first)",
+        "pass_time": "the cost model's time of the same passes, without the token send-back",
         "warnings": warnings,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stage_dse import __version__
+from stage_dse.cost.bind import evaluate_plan
 from stage_dse.errors import ConfigError
 from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
@@ -191,6 +192,11 @@ def write_trace_set(
         "cluster": cfg.cluster.name,
         **set_counts(mesh, templates, prefix, files, total_bytes),
         "analytic_flops_total": analytic_flops(cfg),
+        "cost_step_s": float(
+            evaluate_plan(
+                cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
+            )["time_step_s"]
+        ),
         "pp_stride": pp_stride,
         "warnings": warnings,
         **facts,
