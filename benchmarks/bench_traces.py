@@ -6,6 +6,10 @@ is started first; its start-up is not counted). CPU seconds are this process's p
 tasks report; peak RSS is the largest of this process and any task's worker. Each set is
 checked cheaply per stage while it is built, measured, then deleted (they are large).
 
+Each set is then replayed (:mod:`stage_dse.trace.replay`): one rank per stage, and every rank
+for the 64-rank set; the replay lines give its CPU seconds and the replayed step time
+beside the cost model's.
+
 Run: ``python benchmarks/bench_traces.py [--skip-largest]``; one machine-readable line per set.
 """
 
@@ -22,6 +26,7 @@ from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.runner.executors import RayExecutor
 from stage_dse.spec import ParallelPlan, TrainingSpec
 from stage_dse.trace import TraceConfig, write_trace_set
+from stage_dse.trace.replay import replay_trace_dir
 
 H100 = load_hardware("h100_sxm")
 SETS = [
@@ -95,6 +100,21 @@ def main() -> None:
                     f"ranks={ranks} wall_s={wall:.2f} cpu_s={cpu:.2f} peak_rss_mb={rss:.0f} "
                     f"bytes={ts.bytes} files={ts.files}"
                 )
+                c0 = time.process_time()
+                r = replay_trace_dir(out)
+                print(
+                    f"  replay ranks={ranks} simulated={r.simulated_ranks} nodes={r.nodes} "
+                    f"cpu_s={time.process_time() - c0:.2f} step_s={r.step_s:.4f} "
+                    f"cost_step_s={r.cost_step_s:.4f}"
+                )
+                if ranks <= 64:
+                    c0 = time.process_time()
+                    full = replay_trace_dir(out, all_ranks=True)
+                    print(
+                        f"  replay ranks={ranks} simulated={full.simulated_ranks} "
+                        f"nodes={full.nodes} cpu_s={time.process_time() - c0:.2f} "
+                        f"step_s={full.step_s:.4f} (every rank)"
+                    )
             finally:
                 shutil.rmtree(out, ignore_errors=True)
     finally:

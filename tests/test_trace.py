@@ -572,6 +572,23 @@ def test_checker_rejects_what_a_simulator_cannot_time(tmp_path, field, value, me
     assert any(message in p for p in problems), problems
 
 
+def test_checker_rejects_all_gathers_sized_as_their_output(tmp_path):
+    """A writer that puts the gathered buffer in ``comm_size`` (what ASTRA-sim would send at
+    every ring step) is caught: every all-gather of rank 0 made group-size times larger."""
+    plan = ParallelPlan(dp=2, tp=2, sequence_parallel=True)
+    write_trace_set(tiny_cfg(plan), tmp_path)
+    path = tmp_path / "trace.0.et"
+    meta, nodes = decode(path)
+    for n in nodes:
+        a = {x.name: x for x in n.attr}
+        if n.type == pb.COMM_COLL_NODE and a["comm_type"].int64_val == pb.ALL_GATHER:
+            a["comm_size"].int64_val *= 2
+    rewrite(path, meta, nodes)
+    problems = check_trace_dir(tmp_path)
+    assert any("rank 0: all-gathers leave" in p and "each rank's input" in p for p in problems)
+    assert not any(p.startswith("rank 1:") for p in problems)
+
+
 def test_check_and_json_of_missing_paths_are_one_line_errors(tmp_path, capsys):
     assert trace_main(["check", str(tmp_path / "nope")]) == 2
     assert trace_main(["json", str(tmp_path / "nope.0.et")]) == 2

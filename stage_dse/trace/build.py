@@ -158,11 +158,11 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 # prefetch depth one: layer i+1's gather is issued when layer i starts
                 ahead = issue(prog, zero_fwd[instances[0]]) if instances else []
                 for j, g in enumerate(instances):
-                    prog.flush()
+                    nxt = zero_fwd[instances[j + 1]] if j + 1 < len(instances) else []
+                    if ahead or nxt:  # a layer boundary only where a gather joins or leaves
+                        prog.flush()
                     prog.pending_comm.extend(ahead)
-                    ahead = (
-                        issue(prog, zero_fwd[instances[j + 1]]) if j + 1 < len(instances) else []
-                    )
+                    ahead = issue(prog, nxt)
                     emit_ops(prog, fwd[g], consumed[g])
                 prog.flush()
                 if not link.last_virtual:
@@ -177,10 +177,11 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 instances = [g for g, count in reversed(sections) for _ in range(count)]
                 ahead = issue(prog, zero_regather[instances[0]]) if instances else []
                 for j, g in enumerate(instances):
-                    prog.flush()
+                    nxt = zero_regather[instances[j + 1]] if j + 1 < len(instances) else []
+                    if ahead or nxt:
+                        prog.flush()
                     prog.pending_comm.extend(ahead)
-                    nxt = instances[j + 1] if j + 1 < len(instances) else None
-                    ahead = issue(prog, zero_regather[nxt]) if nxt is not None else []
+                    ahead = issue(prog, nxt)
                     emit_ops(prog, rerun[g], consumed[g])
                     emit_ops(prog, bwd[g], consumed[g], partners=partners[g])
                     if zero_rs[g]:  # the optimizer waits for the last of them (issue order)
@@ -216,7 +217,12 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
             for _ in range(count):
                 issue(prog, param_gather[g])
         t = StageTemplate(
-            stage=s, pieces=prog.pieces, nodes=prog.counts, flops=prog.flops, kinds=prog.kinds
+            stage=s,
+            pieces=prog.pieces,
+            nodes=prog.counts,
+            flops=prog.flops,
+            kinds=prog.kinds,
+            gathered_bytes=prog.gathered,
         )
         templates.append(t)
     kinds = set().union(*(t.kinds for t in templates))
@@ -263,6 +269,8 @@ class Bucket:
     size_bytes: int
     """As the trace writes it (all-gather: each rank's input)."""
     micros: int
+    output_bytes: int
+    """What the collective leaves on each rank (all-gather: the gathered buffer)."""
 
 
 def _per_mb_data(op) -> bool:
@@ -293,7 +301,9 @@ def data_buckets(cfg: TraceConfig, ops, only=None, label: str = "") -> list[Buck
             continue  # a one-rank group moves nothing
         trace_bytes = b / n if coll is CollKind.ALL_GATHER else b
         name = f"{coll.value}:{label + ':' if label else ''}{first[(coll, group)]}..(flat)"
-        out.append(Bucket(name, coll, group, max(1, round(trace_bytes)), max(1, round(t * 1e6))))
+        out.append(
+            Bucket(name, coll, group, max(1, round(trace_bytes)), max(1, round(t * 1e6)), round(b))
+        )
     return out
 
 
@@ -309,12 +319,16 @@ def _degree(plan, axis: MeshAxis) -> int:
 
 def issue(prog, buckets: list[Bucket], per_step: bool = False, after: list[int] = ()) -> list[int]:
     """Issue ``buckets`` now, none blocking the next compute; returns their node ids."""
-    return [
-        prog.collective_node(
-            b.name, b.coll, b.group, b.size_bytes, b.micros, False, per_step, after=list(after)
+    nids = []
+    for b in buckets:
+        nids.append(
+            prog.collective_node(
+                b.name, b.coll, b.group, b.size_bytes, b.micros, False, per_step, after=list(after)
+            )
         )
-        for b in buckets
-    ]
+        if b.coll is CollKind.ALL_GATHER:
+            prog.gathered += b.output_bytes
+    return nids
 
 
 def hop_micros(cfg: TraceConfig, graphs, key) -> int:

@@ -5,7 +5,10 @@ not per rank). ``check_trace_dir`` decodes a written set and verifies: unique id
 dependency, no cycle, only supported collective types, integer-typed attributes, every SEND
 matched by a RECV with the same (src, dst, tag, size), every group's members issuing the same
 sequence of (type, size) collectives, overlapping groups ordered alike on their shared ranks,
-no cycle in the global order of collective instances (one collective in flight per rank), and
+no cycle in the global order of collective instances (one collective in flight per rank),
+COMP nodes a roofline simulator can time (``num_ops`` and ``tensor_size`` positive), no
+collective of zero bytes, all-gather sizes that are each rank's input (their ``comm_size`` times
+group size summed per rank equals the gathered bytes the writer recorded from the graph), and
 the total COMP flops equal to the analytic total of the manifest.
 """
 
@@ -15,7 +18,7 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from stage_dse.trace.encode import SUPPORTED_COLLECTIVES, NodeType, read_trace
+from stage_dse.trace.encode import SUPPORTED_COLLECTIVES, CollType, NodeType, read_trace
 from stage_dse.trace.program import MEMORY_ONLY_OPS
 
 __all__ = ["check_templates", "check_trace_dir"]
@@ -85,6 +88,7 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
         if not meta.version:
             problems.append(f"rank {rank}: GlobalMetadata.version is empty")
         ids: dict[int, list[int]] = {}
+        gathered = gathered_tol = 0
         per_group: dict[int, list[tuple[int, int]]] = defaultdict(list)
         events: list[int] = []
         for node in nodes:
@@ -127,6 +131,9 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
                     problems.append(f"rank {rank} node {node.id}: collective of {size} bytes")
                 per_group[gid].append((int(ctype), size))
                 events.append(gid)
+                if ctype == CollType.ALL_GATHER and gid in groups:
+                    gathered += size * len(groups[gid])
+                    gathered_tol += len(groups[gid])
             elif node.type == NodeType.COMM_SEND_NODE:
                 a = attrs
                 sends[(rank, a["comm_dst"][1], a["comm_tag"][1], a["comm_size"][1])] += 1
@@ -141,6 +148,12 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
             problems.append(f"rank {rank}: dependency cycle")
         for gid, seq in per_group.items():
             coll_seq[gid][rank] = seq
+        want = _gathered_bytes(manifest, rank)
+        if want is not None and abs(gathered - want) > gathered_tol:
+            problems.append(
+                f"rank {rank}: all-gathers leave {gathered} bytes (comm_size x group size), the "
+                f"graph gathers {want}: an all-gather's comm_size must be each rank's input"
+            )
         rank_events[rank] = events
     if sends != recvs:
         missing = (sends - recvs) + (recvs - sends)
@@ -173,6 +186,15 @@ def check_trace_dir(path: str | Path, prefix: str | None = None) -> list[str]:
     if manifest.get("total_nodes") not in (None, node_count):
         problems.append(f"{node_count} nodes decoded, manifest says {manifest['total_nodes']}")
     return problems
+
+
+def _gathered_bytes(manifest: dict, rank: int) -> int | None:
+    """The all-gather output bytes the writer recorded for ``rank``'s stage, if it did."""
+    per_stage = manifest.get("allgather_output_bytes_per_stage")
+    stride, pp = manifest.get("pp_stride"), len(per_stage or ())
+    if not per_stage or not stride:
+        return None
+    return int(per_stage[(rank // stride) % pp])
 
 
 def _collective_wait_cycle(rank_events: dict[int, list[int]]) -> bool:

@@ -118,6 +118,9 @@ class StageTemplate:
     nodes: Counter = field(default_factory=Counter)
     flops: int = 0
     kinds: set = field(default_factory=set)
+    gathered_bytes: int = 0
+    """Bytes all-gathers produce on one rank, from the graph (the checker compares the trace's
+    per-rank sizes times group sizes with it)."""
 
 
 class Program:
@@ -138,6 +141,7 @@ class Program:
         self.segment: list[Op] = []
         self.counts: Counter = Counter()
         self.flops = 0
+        self.gathered = 0
         self.kinds: set = set()
         degree = {
             MeshAxis.TP: cfg.plan.tp,
@@ -208,6 +212,7 @@ class Program:
         size = n.comm_bytes
         if op.coll is CollKind.ALL_GATHER:  # the simulator's size is each rank's input
             size = n.comm_bytes // self.group_size(op.group)
+            self.gathered += n.comm_bytes
         self.collective_node(op.name, op.coll, op.group, size, n.micros, blocking, per_step)
         if deferred and blocking and not per_step:
             self.deferred_comm.append(self.pending_comm.pop())

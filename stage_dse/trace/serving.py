@@ -119,7 +119,12 @@ def write_serving_trace(
                 prog.p2p(True, -(pp - 1), token_bytes, 2 * (step + 1) + 1, name, hop_tok)
         templates.append(
             StageTemplate(
-                stage=s, pieces=prog.pieces, nodes=prog.counts, flops=prog.flops, kinds=prog.kinds
+                stage=s,
+                pieces=prog.pieces,
+                nodes=prog.counts,
+                flops=prog.flops,
+                kinds=prog.kinds,
+                gathered_bytes=prog.gathered,
             )
         )
     mesh = Mesh(plan)

@@ -33,25 +33,53 @@ __all__ = [
 ]
 
 
+_RUNS: dict[int, tuple[StageTemplate, list]] = {}
+
+
+def _runs(template: StageTemplate) -> list:
+    """The template as runs: fixed nodes already framed (length-prefixed) and joined, and
+    (prefix, slot) pairs for nodes that take a per-rank group id or peer."""
+    hit = _RUNS.get(id(template))
+    if hit is not None and hit[0] is template:
+        return hit[1]
+    runs: list = []
+    fixed: list[bytes] = []
+    for piece in template.pieces:
+        if piece.slot is None:
+            fixed.append(enc.varint(len(piece.prefix)) + piece.prefix)
+            continue
+        if fixed:
+            runs.append(b"".join(fixed))
+            fixed = []
+        runs.append((piece.prefix, piece.slot))
+    if fixed:
+        runs.append(b"".join(fixed))
+    if len(_RUNS) > 64:  # templates of earlier sets
+        _RUNS.clear()
+    _RUNS[id(template)] = (template, runs)
+    return runs
+
+
 def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -> tuple[bytes, int]:
     slots: dict = {}
     parts = [header]
-    for piece in template.pieces:
-        if piece.slot is None:
-            body = piece.prefix
-        else:
-            b = slots.get(piece.slot)
-            if b is None:
-                if isinstance(piece.slot, tuple):
-                    _, delta, send = piece.slot
-                    peer = mesh.pp_peer(rank, delta)
-                    b = enc.attr_int32("comm_dst" if send else "comm_src", peer)
-                else:
-                    b = enc.attr_string("pg_name", str(mesh.group_id(piece.slot, rank)))
-                slots[piece.slot] = b
-            body = piece.prefix + b
-        parts.append(enc.varint(len(body)))
-        parts.append(body)
+    for run in _runs(template):
+        if isinstance(run, bytes):
+            parts.append(run)
+            continue
+        prefix, slot = run
+        b = slots.get(slot)
+        if b is None:
+            if isinstance(slot, tuple):
+                _, delta, send = slot
+                peer = mesh.pp_peer(rank, delta)
+                b = enc.attr_int32("comm_dst" if send else "comm_src", peer)
+            else:
+                b = enc.attr_string("pg_name", str(mesh.group_id(slot, rank)))
+            slots[slot] = b
+        parts.append(enc.varint(len(prefix) + len(b)))
+        parts.append(prefix)
+        parts.append(b)
     data = b"".join(parts)
     return data, len(template.pieces)
 
@@ -147,6 +175,7 @@ def set_counts(
         "nodes_per_stage": [dict(t.nodes) for t in templates],
         "total_nodes": sum(sum(t.nodes.values()) * ranks_per_stage for t in templates),
         "comp_flops_total": sum(t.flops * ranks_per_stage for t in templates),
+        "allgather_output_bytes_per_stage": [t.gathered_bytes for t in templates],
     }
 
 
