@@ -33,55 +33,72 @@ __all__ = [
 ]
 
 
-_RUNS: dict[int, tuple[StageTemplate, list]] = {}
+class _Stamp:
+    """A stage template prepared for stamping: its distinct per-rank slots, the slot of each
+    slotted node in order, and per combination of slot-value lengths the constant bytes between
+    slotted values (fixed nodes framed and joined; a slotted node's length prefix depends only
+    on the length of its value)."""
+
+    def __init__(self, template: StageTemplate) -> None:
+        self.slots: list = []
+        index: dict = {}
+        self.seq: list[int] = []
+        self.pieces: list = []  # per slotted node: (framed fixed nodes before it, its prefix)
+        fixed: list[bytes] = []
+        for piece in template.pieces:
+            if piece.slot is None:
+                fixed.append(enc.varint(len(piece.prefix)) + piece.prefix)
+                continue
+            if piece.slot not in index:
+                index[piece.slot] = len(self.slots)
+                self.slots.append(piece.slot)
+            self.seq.append(index[piece.slot])
+            self.pieces.append((b"".join(fixed), piece.prefix))
+            fixed = []
+        self.tail = b"".join(fixed)
+        self.by_lengths: dict[tuple[int, ...], list[bytes]] = {}
+
+    def constants(self, lengths: tuple[int, ...]) -> list[bytes]:
+        got = self.by_lengths.get(lengths)
+        if got is None:
+            got = [
+                before + enc.varint(len(prefix) + lengths[k]) + prefix
+                for (before, prefix), k in zip(self.pieces, self.seq)
+            ]
+            got.append(self.tail)
+            self.by_lengths[lengths] = got
+        return got
 
 
-def _runs(template: StageTemplate) -> list:
-    """The template as runs: fixed nodes already framed (length-prefixed) and joined, and
-    (prefix, slot) pairs for nodes that take a per-rank group id or peer."""
-    hit = _RUNS.get(id(template))
+_STAMPS: dict[int, tuple[StageTemplate, _Stamp]] = {}
+
+
+def _stamp(template: StageTemplate) -> _Stamp:
+    hit = _STAMPS.get(id(template))
     if hit is not None and hit[0] is template:
         return hit[1]
-    runs: list = []
-    fixed: list[bytes] = []
-    for piece in template.pieces:
-        if piece.slot is None:
-            fixed.append(enc.varint(len(piece.prefix)) + piece.prefix)
-            continue
-        if fixed:
-            runs.append(b"".join(fixed))
-            fixed = []
-        runs.append((piece.prefix, piece.slot))
-    if fixed:
-        runs.append(b"".join(fixed))
-    if len(_RUNS) > 64:  # templates of earlier sets
-        _RUNS.clear()
-    _RUNS[id(template)] = (template, runs)
-    return runs
+    if len(_STAMPS) > 64:  # templates of earlier sets
+        _STAMPS.clear()
+    st = _Stamp(template)
+    _STAMPS[id(template)] = (template, st)
+    return st
 
 
 def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -> tuple[bytes, int]:
-    slots: dict = {}
-    parts = [header]
-    for run in _runs(template):
-        if isinstance(run, bytes):
-            parts.append(run)
-            continue
-        prefix, slot = run
-        b = slots.get(slot)
-        if b is None:
-            if isinstance(slot, tuple):
-                _, delta, send = slot
-                peer = mesh.pp_peer(rank, delta)
-                b = enc.attr_int32("comm_dst" if send else "comm_src", peer)
-            else:
-                b = enc.attr_string("pg_name", str(mesh.group_id(slot, rank)))
-            slots[slot] = b
-        parts.append(enc.varint(len(prefix) + len(b)))
-        parts.append(prefix)
-        parts.append(b)
-    data = b"".join(parts)
-    return data, len(template.pieces)
+    st = _stamp(template)
+    values = []
+    for slot in st.slots:
+        if isinstance(slot, tuple):
+            _, delta, send = slot
+            peer = mesh.pp_peer(rank, delta)
+            values.append(enc.attr_int32("comm_dst" if send else "comm_src", peer))
+        else:
+            values.append(enc.attr_string("pg_name", str(mesh.group_id(slot, rank))))
+    consts = st.constants(tuple(len(b) for b in values))
+    parts = [b""] * (2 * len(st.seq) + 1)
+    parts[0::2] = consts
+    parts[1::2] = [values[k] for k in st.seq]
+    return header + b"".join(parts), len(template.pieces)
 
 
 def write_ranks(
