@@ -1,6 +1,7 @@
 """The results dataset on disk: atomic Parquet part files under ``results/<sweep>/``.
 
-Only the sweep driver writes; workers may encode a part (:func:`encode_part`) and send its
+Only the sweep driver writes, and one driver per folder at a time (an OS file lock, see
+:meth:`ResultStore.acquire`); workers may encode a part (:func:`encode_part`) and send its
 bytes. A part file is written to a temporary name in the same folder
 and renamed into place, so a killed process leaves either a whole part or none (the temporary
 is ignored by readers and removed on the next start). Rows are identified by ``config_hash``;
@@ -9,8 +10,12 @@ a rerun reads the hashes already present and evaluates only the others.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -32,6 +37,8 @@ from stage_dse.results.schema import (
 __all__ = ["ResultStore", "encode_part"]
 
 PART_GLOB = "part-*.parquet"
+LOCK_NAME = ".writer.lock"
+QUARANTINE_DIR = "_quarantine"
 
 
 def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA) -> bytes:
@@ -59,19 +66,77 @@ class ResultStore:
     def __init__(self, root: str | os.PathLike, replace_stale: bool = False) -> None:
         self.root = Path(root)
         self.replace_stale = replace_stale
+        self._lock_fd: int | None = None
 
-    def prepare(self) -> int:
-        """Create the folder, remove leftover temporaries and, with ``replace_stale``, the
+    # ----------------------------------------------------------------- one writer at a time
+    def acquire(self, log: Callable[[str], None] = print) -> None:
+        """Become the folder's only writer: an OS lock on ``<root>/.writer.lock``, released by
+        :meth:`release` or when the process ends however it ends (kill -9 included, so a lock
+        is never stale). A second writer waits, after saying who holds the folder; it reads
+        which configurations are stored only once it holds the lock, so two sweeps on one
+        folder never store a configuration twice."""
+        if self._lock_fd is not None:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StageDseError(
+                f"results folder {self.root} is not writable ({exc.strerror}); choose another "
+                "results_dir or fix its permissions"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            log(f"{self.root} is being written by {holder}; waiting for it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Stop being the writer (the lock file stays; its lock is what counts)."""
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def prepare(self, log: Callable[[str], None] = print) -> int:
+        """Become the writer (:meth:`acquire`), remove leftover temporaries, move corrupt parts
+        aside (their configurations are evaluated again) and, with ``replace_stale``, delete the
         parts of another hash scheme or cost model; returns how many parts were removed."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.acquire(log)
         for tmp in self.root.glob(".tmp-*"):
             tmp.unlink(missing_ok=True)
+        self.quarantine_corrupt(log)
         if not self.replace_stale:
             return 0
         stale = [part for part, why in self._provenance() if why]
         for part in stale:
             part.unlink()
         return len(stale)
+
+    def quarantine_corrupt(self, log: Callable[[str], None] = print) -> list[Path]:
+        """Parts whose Parquet footer cannot be read (a truncated or zero-byte file, e.g. from a
+        disk that filled up) moved to ``<root>/_quarantine/``, one warning each."""
+        moved = []
+        for part in self.parts():
+            try:
+                pq.read_metadata(part)
+            except (OSError, pa.ArrowException) as exc:
+                dest = self.root / QUARANTINE_DIR / part.name
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(part, dest)
+                moved.append(dest)
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                log(
+                    f"warning: {part} is not a readable Parquet file ({reason}); moved to "
+                    f"{dest}, its configurations will be evaluated again"
+                )
+        return moved
 
     def _provenance(self) -> list[tuple[Path, str]]:
         """Each part with why it cannot be resumed from ("" when it can)."""
@@ -107,9 +172,18 @@ class ResultStore:
         """Set ``column`` for the rows whose ``config_hash`` is a key of ``values``; each part
         holding such rows is rewritten atomically under its own name (no row lost or
         duplicated whatever happens). Returns the number of rows changed."""
-        changed = 0
         if not values:
             return 0
+        own = self._lock_fd is None
+        self.acquire()
+        try:
+            return self._set_column(column, values)
+        finally:
+            if own:
+                self.release()
+
+    def _set_column(self, column: str, values: dict[str, object]) -> int:
+        changed = 0
         keys = pa.array(list(values), type=pa.string())
         for part in self.parts():
             stored = pq.read_schema(part).metadata or {}

@@ -35,9 +35,16 @@ GIB = 2.0**30
 def run_serving(
     spec: ServingSweepSpec, store: ResultStore, log: Callable[[str], None] = print
 ) -> SweepReport:
+    replaced = store.prepare(log)
+    try:
+        return _run_serving(spec, store, log, replaced)
+    finally:
+        store.release()
+
+
+def _run_serving(spec, store, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
-    replaced = store.prepare()
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     model = spec.model

@@ -129,9 +129,16 @@ def run_grid(
     already stored, evaluates the rest and returns them encoded as one Parquet part, which the
     driver writes atomically from a background thread.
     """
+    replaced = store.prepare(log)
+    try:
+        return _run_grid(spec, executor, store, batch_size, progress, log, replaced)
+    finally:
+        store.release()
+
+
+def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name)
-    replaced = store.prepare()
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     done = frozenset(store.hashes())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import optuna
@@ -32,6 +33,9 @@ from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec import ParallelPlan
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import OBJECTIVES, OptunaSpec, SweepSpec, divisors
+
+JOURNAL_LOCK_SUFFIX = ".lock"
+"""Optuna's journal lock file: ``<journal>.lock`` (optuna.storages.journal)."""
 
 __all__ = ["OBJECTIVES", "run_optuna"]
 
@@ -67,11 +71,9 @@ def run_optuna(
     log=print,
 ) -> SweepReport:
     t0 = time.perf_counter()
-    objectives = list(search.objectives)
     model = spec.models[0]
     hardware = {hw.name: hw for hw in (*spec.hardware, *search.hardware)}
     gpus = sorted(set(search.gpus or spec.gpu_counts))
-    cluster0 = spec.cluster
     space = spec.space
     top = max(gpus)
 
@@ -102,10 +104,26 @@ def run_optuna(
     if search.inter_gbit_s:
         axes["inter_gbit_s"] = sorted(float(x) for x in search.inter_gbit_s)
 
-    replaced = store.prepare()
+    replaced = store.prepare(log)
+    try:
+        return _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
+    finally:
+        store.release()
+
+
+def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0) -> SweepReport:
+    objectives = list(search.objectives)
+    model = spec.models[0]
+    hardware = {hw.name: hw for hw in (*spec.hardware, *search.hardware)}
+    cluster0 = spec.cluster
+    space = spec.space
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
-    storage = JournalStorage(JournalFileBackend(str(store.root / "_optuna.journal")))
+    journal = store.root / "_optuna.journal"
+    # this process holds the folder's writer lock: a journal lock file left now belongs to a
+    # run that was killed, and waiting out Optuna's grace period would gain nothing
+    Path(str(journal) + JOURNAL_LOCK_SUFFIX).unlink(missing_ok=True)
+    storage = JournalStorage(JournalFileBackend(str(journal)))
     directions = ["minimize"] * len(objectives)
     sampler_kind = search.sampler if len(objectives) == 1 else "nsga2"
     study = optuna.create_study(
@@ -116,7 +134,20 @@ def run_optuna(
         load_if_exists=True,
     )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    existing = len(study.trials)
+    # trials a killed run left RUNNING are failed and not counted toward n_trials
+    abandoned = 0
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        storage.set_trial_user_attr(trial._trial_id, "reason", "abandoned by a run that ended")
+        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        abandoned += 1
+    if abandoned:
+        log(f"{abandoned} trials left running by an earlier run were marked failed")
+    counted = [
+        t
+        for t in study.get_trials(deepcopy=False)
+        if "abandoned" not in str(t.user_attrs.get("reason", ""))
+    ]
+    existing = len(counted)
     remaining = max(0, int(search.n_trials) - existing)
     log(
         f"sweep {spec.name}: optuna {sampler_kind} over {', '.join(axes)}; objectives "
