@@ -1,0 +1,138 @@
+"""Trustworthy runs: one writer per results folder, corrupt parts, unwritable folders, runs
+killed mid-way (Optuna journals)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_sweep import compose_cfg, small_spec
+
+from stage_dse.cli import run
+from stage_dse.errors import StageDseError
+from stage_dse.results import ResultStore, load
+from stage_dse.runner import LocalExecutor, build_table, run_grid
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_sweep import small_spec
+    from stage_dse.results import ResultStore
+    from stage_dse.runner import LocalExecutor, run_grid
+    run_grid(small_spec(gpus=(16, 32, 64)), LocalExecutor(), ResultStore({root!r}),
+             batch_size=200, progress=False)
+    """
+)
+
+
+def test_two_writers_on_one_folder_store_each_configuration_once(tmp_path):
+    """Two sweeps started together on one folder: the second waits for the first (it says
+    who holds the folder), then finds everything stored; no configuration twice."""
+    root = tmp_path / "shared"
+    code = WRITER.format(tests=os.path.dirname(__file__), root=str(root))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    df = load(root)
+    table, _, _ = build_table(small_spec(gpus=(16, 32, 64)))
+    assert df["config_hash"].is_unique and len(df) == len(table)
+    waited = [o for o, _ in outs if "is being written by pid" in o]
+    assert len(waited) == 1, outs
+
+
+def test_second_writer_names_the_holder_and_waits(tmp_path):
+    root = tmp_path / "held"
+    holder = ResultStore(root)
+    holder.acquire(log=lambda s: None)
+    code = (
+        "from stage_dse.results import ResultStore\n"
+        f"s = ResultStore({str(root)!r}); s.acquire(); print('acquired', flush=True)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first = proc.stdout.readline()
+        assert f"{root} is being written by pid {os.getpid()} on " in first
+        time.sleep(0.3)
+        assert proc.poll() is None  # still waiting
+    finally:
+        holder.release()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "acquired" in out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_corrupt_part_is_quarantined_and_its_rows_evaluated_again(tmp_path, damage):
+    root = tmp_path / "c"
+    spec = small_spec()
+    run_grid(spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False)
+    before = load(root)
+    part = sorted(root.glob("part-*.parquet"))[0]
+    data = part.read_bytes()
+    part.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    lines: list[str] = []
+    run_grid(
+        spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False, log=lines.append
+    )
+    warning = next(line for line in lines if line.startswith("warning:"))
+    assert part.name in warning and "_quarantine" in warning
+    assert (root / "_quarantine" / part.name).is_file()
+    after = load(root)
+    assert after["config_hash"].is_unique
+    assert set(after["config_hash"]) == set(before["config_hash"])
+
+
+def test_unwritable_results_folder_is_refused_before_evaluating(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    store = ResultStore(blocker / "sweep")
+    evaluated = []
+    with pytest.raises(StageDseError, match=r"results folder .* is not writable"):
+        run_grid(small_spec(), LocalExecutor(), store, progress=False, log=evaluated.append)
+    assert not evaluated  # nothing was enumerated or evaluated
+
+
+def test_optuna_rerun_after_a_killed_run(tmp_path):
+    """A killed Optuna run leaves trials RUNNING and the journal's lock file behind: the rerun
+    does not wait out the lock's grace period, fails those trials and does not count them."""
+    import optuna
+
+    base = [
+        f"results_dir={tmp_path}",
+        "search=optuna",
+        "search.batch_size=20",
+        "runner=local",
+        "runner.progress=false",
+        "num_gpus=[16,32]",
+        "sweep_name=opt",
+        "search.seed=3",
+    ]
+    run(compose_cfg([*base, "search.n_trials=20"]))
+    journal = tmp_path / "opt" / "_optuna.journal"
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    study = optuna.load_study(study_name="opt", storage=storage)
+    for _ in range(5):
+        study.ask()  # as a killed run leaves them
+    os.symlink(str(journal), str(journal) + ".lock")  # Optuna's lock, never released
+    t0 = time.perf_counter()
+    run(compose_cfg([*base, "search.n_trials=30"]))
+    assert time.perf_counter() - t0 < 25  # Optuna's grace period is 30 s
+    study = optuna.load_study(study_name="opt", storage=storage)
+    states = [t.state.name for t in study.trials]
+    assert "RUNNING" not in states
+    abandoned = [t for t in study.trials if "abandoned" in str(t.user_attrs.get("reason", ""))]
+    assert len(abandoned) == 5
+    assert len(study.trials) - len(abandoned) == 30
