@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from stage_dse.cli import run
 from stage_dse.config import conf_dir, load_cluster, load_hardware, load_model
 from stage_dse.config.schema import to_sweep
+from stage_dse.errors import StageDseError
 from stage_dse.results import ResultStore, best_per, load, pareto
 from stage_dse.runner import LocalExecutor, RayExecutor, SweepSpec, build_table, run_grid
 from stage_dse.search import SearchSpace
@@ -70,7 +72,10 @@ def test_local_and_ray_runners_write_identical_results(tmp_path, ray_shutdown):
     a, b = sorted_rows(local.root), sorted_rows(remote.root)
     assert len(a) == report.valid > 1000
     assert len(local.parts()) > 1 and len(remote.parts()) == len(local.parts())
-    pd.testing.assert_frame_equal(a, b)
+    # one run id per run, recorded on every row it evaluated; everything else identical
+    assert a["run_id"].nunique() == b["run_id"].nunique() == 1
+    assert a["run_id"].iloc[0] != b["run_id"].iloc[0]
+    pd.testing.assert_frame_equal(a.drop(columns="run_id"), b.drop(columns="run_id"))
     assert set(a["status"]) <= {"ok", "infeasible"} and (a["status"] == "ok").any()
 
 
@@ -82,11 +87,11 @@ def test_ray_retries_a_block_whose_worker_dies(tmp_path, ray_shutdown, monkeypat
     real = sweep_mod.evaluate_part
     marker = tmp_path / "died"
 
-    def dies_once(block, sweep, done=None):
+    def dies_once(block, sweep, done=None, run_id=""):
         if block.start == 0 and not marker.exists():
             marker.touch()
             os._exit(1)
-        return real(block, sweep, done)
+        return real(block, sweep, done, run_id)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", dies_once)
     executor = RayExecutor(num_cpus=2)
@@ -126,9 +131,9 @@ def test_sweep_through_a_two_node_ray_cluster(tmp_path, ray_shutdown):
     cfg_local = compose_cfg([f"results_dir={tmp_path / 'x'}", "runner=local", "num_gpus=[16]"])
     spec = to_sweep(cfg_local)
     run_grid(spec, LocalExecutor(), local, batch_size=300, progress=False)
-    got = sorted_rows(tmp_path / "default")
+    got = sorted_rows(tmp_path / "default").drop(columns="run_id")
     assert evaluated == len(got) > 0
-    pd.testing.assert_frame_equal(got, sorted_rows(local.root))
+    pd.testing.assert_frame_equal(got, sorted_rows(local.root).drop(columns="run_id"))
 
 
 def test_rerun_skips_everything(tmp_path):
@@ -423,12 +428,12 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
     calls = {"n": 0, "failed_rows": 0}
     real = sweep_mod.evaluate_part
 
-    def flaky(block, sweep, done=None):
+    def flaky(block, sweep, done=None, run_id=""):
         calls["n"] += 1
         if calls["n"] == 2:
             calls["failed_rows"] = block.stop - block.start
             raise RuntimeError("worker exploded")
-        return real(block, sweep, done)
+        return real(block, sweep, done, run_id)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", flaky)
     store = ResultStore(tmp_path / "e")
@@ -475,7 +480,12 @@ def test_plot_keeps_questions_apart_and_ignores_serving_rows(tmp_path):
     common += ["sweep_name=mixed", "num_gpus=[8]", "plan.micro_batch_size=[1]"]
     for seq in (2048, 4096):
         run(compose_cfg([*common, f"training.seq_len={seq}"]))
-    run(compose_cfg([*common, "workload=serving", "serving.batch_size=[1]"]))
+    serving = [*common, "workload=serving", "serving.batch_size=[1]"]
+    with pytest.raises(StageDseError, match="holds training results; serving results go"):
+        run(compose_cfg(serving))  # a sweep never mixes them
+    run(compose_cfg([*serving, "sweep_name=srv"]))
+    for part in (tmp_path / "srv").glob("part-*.parquet"):  # a user merging folders by hand
+        shutil.copy(part, tmp_path / "mixed" / part.name)
     df = load(tmp_path / "mixed")
     assert set(df["workload"].astype(str)) == {"training", "serving"}
     files = plot_results(tmp_path / "mixed", tmp_path / "png")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 from conftest import gpt, llama
 
+from stage_dse.cli.trace import estimate_trace_bytes, select_and_write
 from stage_dse.cli.trace import main as trace_main
-from stage_dse.cli.trace import select_and_write
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import evaluate_plan
+from stage_dse.errors import ConfigError
 from stage_dse.results import ResultStore, load
 from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
 from stage_dse.search import SearchSpace
@@ -596,3 +598,78 @@ def test_check_and_json_of_missing_paths_are_one_line_errors(tmp_path, capsys):
     assert len(err) == 2
     assert err[0].startswith("stage-dse-trace: error: ") and "not a trace set" in err[0]
     assert "no trace file" in err[1]
+
+
+# ---------------------------------------------------------------------------- selection safety
+@pytest.fixture
+def small_results(tmp_path):
+    spec = SweepSpec(
+        name="sel",
+        models=(gpt(layers=4, hidden=256, heads=4, vocab=1024),),
+        training=TINY_TRAIN,
+        hardware=(H100,),
+        cluster=load_cluster("dgx_h100"),
+        gpu_counts=(8,),
+        space=SearchSpace(micro_batch_size=(1,), virtual_stages=(1,)),
+    )
+    store = ResultStore(tmp_path / "sel")
+    run_grid(spec, LocalExecutor(), store, batch_size=100, progress=False)
+    return store.root
+
+
+@pytest.mark.parametrize("top", [0, -1])
+def test_select_top_must_be_positive(small_results, top):
+    with pytest.raises(ConfigError, match=f"--top must be >= 1, got {top}"):
+        select_and_write(small_results, top=top, log=lambda s: None)
+
+
+def test_select_refuses_above_max_bytes_before_writing(small_results):
+    lines = []
+    with pytest.raises(ConfigError, match="above --max-bytes"):
+        select_and_write(small_results, top=50, max_bytes=10_000, log=lines.append)
+    assert not (small_results / "_traces").exists()
+    assert "50 trace sets selected, about" in lines[0]
+    df = load(small_results)
+    ok = df[df.status == "ok"].sort_values("step_s").head(3)
+    estimate = sum(estimate_trace_bytes(r) for _, r in ok.iterrows())
+    written = select_and_write(small_results, top=3, log=lambda s: None)
+    actual = sum(
+        f.stat().st_size for h in written for f in (small_results / "_traces" / h).glob("*.et")
+    )
+    assert actual / 2 < estimate < actual * 2  # the estimate is within 2x
+
+
+def test_interrupted_select_keeps_finished_sets_and_removes_the_partial_one(
+    small_results, monkeypatch
+):
+    import stage_dse.cli.trace as cli_trace
+
+    real = cli_trace.write_trace_set
+    calls = []
+
+    def interrupted(cfg, out, **kw):
+        calls.append(out)
+        if len(calls) == 2:
+            Path(out).mkdir(parents=True)
+            (Path(out) / "trace.0.et").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        return real(cfg, out, **kw)
+
+    monkeypatch.setattr(cli_trace, "write_trace_set", interrupted)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        select_and_write(small_results, top=3, log=lines.append)
+    df = load(small_results)
+    marked = df[df["trace_dir"].notna()]
+    assert len(marked) == 1 and marked["trace_replay_s"].notna().all()
+    assert Path(calls[0]).is_dir() and not Path(calls[1]).exists()
+    assert "interrupted: 1 trace sets written and recorded" in lines[-1]
+
+
+def test_select_by_run_id(small_results):
+    df = load(small_results)
+    (run_id,) = set(df["run_id"].astype(str))
+    assert run_id.endswith(f"-{os.getpid()}")
+    assert select_and_write(small_results, top=1, run="latest", log=lambda s: None)
+    with pytest.raises(ConfigError, match="--run 'nope': no rows of that run"):
+        select_and_write(small_results, top=1, run="nope", log=lambda s: None)

@@ -32,6 +32,9 @@ def one_line_errors(prog: str) -> Callable:
                 return main(*args, **kwargs)
             except StageDseError as exc:
                 return fail(prog, str(exc))
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 130
 
         return run
 

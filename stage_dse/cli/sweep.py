@@ -31,7 +31,9 @@ def _fmt_counter(c: Counter, indent: str = "  ") -> str:
     return "\n".join(f"{indent}{n:>12,}  {reason}" for reason, n in c.most_common())
 
 
-def _rows_of_run(df, workload: str, models, hardware, cluster: str, gpus=None, training=None):
+def _rows_of_run(
+    df, workload: str, models, hardware, cluster: str, gpus=None, training=None, run_id=None
+):
     """The rows of one run's configurations (a results folder may hold other runs' rows too):
     same workload, models, hardware (Optuna's capacity variants ``name@..GiB`` included),
     cluster, GPU counts and training step."""
@@ -53,13 +55,17 @@ def _rows_of_run(df, workload: str, models, hardware, cluster: str, gpus=None, t
             f"(summary over the {len(rows):,} rows of this run's configurations; "
             f"{len(df) - len(rows):,} other rows in the folder are not shown)"
         )
+    if run_id is not None:
+        earlier = int((rows["run_id"].astype(str) != run_id).sum())
+        if earlier:
+            print(f"({earlier:,} of them were evaluated by earlier runs and reused)")
     return rows
 
 
 def _print_outcomes(store, df, report, rejected_title: str) -> None:
     print(
-        f"\nresults: {store.root} ({len(df):,} rows; this run evaluated {report.evaluated:,} "
-        f"in {report.seconds:.1f} s)"
+        f"\nresults: {store.root} ({len(df):,} rows; this run, {report.run_id}, evaluated "
+        f"{report.evaluated:,} in {report.seconds:.1f} s)"
     )
     if report.status:
         print("outcomes of this run:")
@@ -118,6 +124,7 @@ def run(cfg: DictConfig) -> int:
         spec.cluster.name,
         gpus,
         spec.training,
+        report.run_id,
     )
     rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
     top = top_table(df, cfg.top_k, by=rank_by)
@@ -151,7 +158,12 @@ def _run_serving(cfg: DictConfig) -> int:
     df = store.read()
     _print_outcomes(store, df, report, "configurations rejected, by rule:")
     df = _rows_of_run(
-        df, "serving", [spec.model.name], [hw.name for hw in spec.hardware], spec.cluster.name
+        df,
+        "serving",
+        [spec.model.name],
+        [hw.name for hw in spec.hardware],
+        spec.cluster.name,
+        run_id=report.run_id,
     )
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")

@@ -2,12 +2,15 @@
 
 Subcommands:
 
-* ``select RESULTS [--top K --by COL | --where EXPR | --hash H ...]``: one trace set per
-  selected result row under ``RESULTS/_traces/<config_hash>/``, and the rows' ``trace_dir``
-  filled in place (each touched part file is rewritten atomically under its own name);
+* ``select RESULTS [--top K --by COL | --where EXPR | --hash H ...] [--run ID] [--max-bytes N]``:
+  one trace set per selected result row under ``RESULTS/_traces/<config_hash>/``, each row's
+  ``trace_dir`` and ``trace_replay_s`` filled as its set is finished (each touched part file is
+  rewritten atomically under its own name); refused when the estimated size is above
+  ``--max-bytes``;
 * ``config OUT [hydra overrides]``: one trace set for a single configuration composed from the
   same config groups as ``stage-dse`` (every plan axis must have one value);
 * ``check DIR``: decode and verify a set (exit 1 with the problems found);
+* ``replay DIR``: critical-path replay of a set beside the cost model's step time;
 * ``json FILE``: one node per line, for debugging.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,14 +158,25 @@ def select_and_write(
     granularity: str = "segment",
     executor=None,
     log=print,
+    run: str | None = None,
+    max_bytes: int = 2**31,
 ) -> list[str]:
-    """Write trace sets for the selected rows and fill their ``trace_dir``; returns hashes."""
+    """Write trace sets for the selected rows, filling each row's ``trace_dir`` and
+    ``trace_replay_s`` as its set is finished; returns their hashes. Refuses a selection whose
+    estimated size is above ``max_bytes``; Ctrl-C removes the unfinished set only."""
     from stage_dse.results.store import ResultStore
 
     store = ResultStore(results)
     df = store.read()
     if len(df) == 0:
         raise ConfigError(f"no results in {results}")
+    if run is not None:
+        ids = df["run_id"].astype(str)
+        wanted = ids.max() if run == "latest" else run
+        if wanted not in set(ids):
+            known = ", ".join(sorted(set(ids))[-5:])
+            raise ConfigError(f"--run {run!r}: no rows of that run in {results} (latest: {known})")
+        df = df[ids == wanted]
     ok = df[df["status"] == "ok"]
     if hashes:
         chosen = df[df["config_hash"].isin(hashes)]
@@ -176,11 +191,25 @@ def select_and_write(
     else:
         if by not in df.columns:
             raise ConfigError(f"--by {by!r} is not a result column")
+        if top is not None and top < 1:
+            raise ConfigError(f"--top must be >= 1, got {top}")
         chosen = ok.sort_values(by).head(top or 1)
+    if len(chosen) == 0:
+        raise ConfigError(f"no rows of {results} match the selection")
+    estimate = int(sum(estimate_trace_bytes(row) for _, row in chosen.iterrows()))
+    log(
+        f"{len(chosen)} trace sets selected, about {estimate / 2**30:.2f} GiB "
+        f"(limit --max-bytes {max_bytes / 2**30:.2f} GiB)"
+    )
+    if estimate > max_bytes:
+        raise ConfigError(
+            f"the {len(chosen)} selected trace sets would take about {estimate / 2**30:.1f} GiB, "
+            f"above --max-bytes {max_bytes / 2**30:.1f} GiB: narrow the selection or raise "
+            "--max-bytes"
+        )
     from stage_dse.trace.replay import replay_trace_dir
 
-    written: dict[str, str] = {}
-    replayed: dict[str, float] = {}
+    done: list[str] = []
     for _, row in chosen.iterrows():
         h = str(row["config_hash"])
         out = Path(results) / TRACES_DIR / h
@@ -188,18 +217,70 @@ def select_and_write(
             cfg = config_from_row(row, granularity)
         except ConfigError as exc:
             raise ConfigError(f"row {h}: {exc}") from None
-        ts = write_trace_set(cfg, out, executor=executor, config_hash=h)
-        replayed[h] = replay_trace_dir(out).step_s
+        try:
+            ts = write_trace_set(cfg, out, executor=executor, config_hash=h)
+            replay_s = replay_trace_dir(out).step_s
+        except KeyboardInterrupt:
+            shutil.rmtree(out, ignore_errors=True)
+            log(
+                f"interrupted: {len(done)} trace sets written and recorded; the unfinished "
+                f"set {h} was removed"
+            )
+            raise
+        # recorded as each set finishes, so an interruption keeps what was written
+        store.set_column("trace_dir", {h: str(out.relative_to(results))})
+        store.set_column("trace_replay_s", {h: replay_s})
+        done.append(h)
         log(
             f"{h}: {ts.ranks} ranks, {ts.bytes / 2**20:.1f} MiB in {out}; "
-            f"replayed step {replayed[h]:.4g} s (cost model {float(row['step_s']):.4g} s)"
+            f"replayed step {replay_s:.4g} s (cost model {float(row['step_s']):.4g} s)"
         )
         for w in ts.warnings:
             log(f"  warning: {w}")
-        written[h] = str(out.relative_to(results))
-    store.set_column("trace_dir", written)
-    store.set_column("trace_replay_s", replayed)
-    return list(written)
+    return done
+
+
+BYTES_PER_NODE = 104
+"""Measured: 97-109 bytes per node (names, dependencies, attributes) over Llama-3 sets."""
+
+
+def estimate_trace_bytes(row: pd.Series) -> float:
+    """Rough size of a row's trace set before writing it (within about 2x): ranks x
+    (micro-batches x (layers per stage + 2) x nodes per layer and micro-batch + per-step nodes)
+    x bytes per node.
+    Nodes per layer and micro-batch, measured on Llama-3 sets: about 1 without model
+    parallelism, and per parallelism that splits a layer's kernels with collectives: tensor
+    parallel 9 (20 with sequence parallelism, 3 more with recompute), context parallel 7,
+    expert parallel 8, ZeRO-3 4."""
+    ranks = int(row["num_gpus"])
+    layers = -(-int(row["layers"]) // int(row["pp"]))
+    if str(row.get("workload", "training")) == "serving":
+        micro = 4  # decode steps written by default
+    else:
+        micro = max(1, int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"])))
+    per = 1.0
+    if int(row["tp"]) > 1:
+        per += 20 if bool(row.get("sequence_parallel", False)) else 9
+        per += 3 if str(row.get("recompute", "none")) != "none" else 0
+    per += 7 if int(row.get("cp", 1)) > 1 else 0
+    per += 8 if int(row.get("ep", 1)) > 1 else 0
+    per += 4 if int(row.get("zero_stage", 0)) == 3 else 0
+    # once per step: a gradient bucket per layer (and a parameter gather with ZeRO-1/2), the
+    # optimizer
+    step = (layers + 2) * (2 if int(row.get("zero_stage", 0)) in (1, 2) else 1) + 2
+    return ranks * (micro * (layers + 2) * per + step) * BYTES_PER_NODE
+
+
+def parse_bytes(text: str) -> int:
+    """``2G``, ``500M``, ``1.5T`` or a plain number of bytes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise ConfigError(f"--max-bytes {text!r}: give bytes, e.g. 2G or 500M") from None
 
 
 def _serving_config_mode(cfg, out: str, steps: int):
@@ -285,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     p_sel.add_argument("--top", type=int, default=None)
     p_sel.add_argument("--by", default="step_s")
     p_sel.add_argument("--where", default=None, help="pandas query over result columns")
+    p_sel.add_argument(
+        "--run", default=None, help="only rows evaluated by this run id ('latest': the newest)"
+    )
+    p_sel.add_argument(
+        "--max-bytes", default="2G", help="refuse selections estimated above this (default 2G)"
+    )
     p_sel.add_argument("--hash", nargs="+", default=None)
     p_sel.add_argument("--granularity", default="segment", choices=["segment", "op"])
     p_sel.add_argument("--ray", action="store_true", help="write rank ranges as Ray tasks")
@@ -320,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.hash,
                 args.granularity,
                 executor,
+                run=args.run,
+                max_bytes=parse_bytes(args.max_bytes),
             )
         finally:
             if executor is not None:

@@ -413,8 +413,10 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"serving.{name} values must be integers > 0, got {v!r}")
+    # serving rows never share a folder with training rows: the default name gets a suffix
+    name = c["sweep_name"] if c["sweep_name"] != "default" else "default_serving"
     return ServingSweepSpec(
-        name=c["sweep_name"],
+        name=name,
         model=model,
         hardware=tuple(hardware),
         cluster=cluster,

@@ -121,6 +121,7 @@ LABEL = pa.dictionary(pa.int32(), pa.string())
 _fields = [
     pa.field("config_hash", pa.string()),
     pa.field("sweep", LABEL),
+    pa.field("run_id", LABEL),
     pa.field("status", LABEL),
     pa.field("reason", LABEL),
 ]

@@ -34,11 +34,17 @@ from stage_dse.results.schema import (
     empty_results,
 )
 
-__all__ = ["ResultStore", "encode_part"]
+__all__ = ["ResultStore", "encode_part", "new_run_id"]
 
 PART_GLOB = "part-*.parquet"
 LOCK_NAME = ".writer.lock"
 QUARANTINE_DIR = "_quarantine"
+
+
+def new_run_id() -> str:
+    """A run's id: its UTC start time and process id, e.g. ``20261201T040512Z-4242`` (sorts
+    by start time)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
 
 
 def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA) -> bytes:
@@ -152,6 +158,20 @@ class ResultStore:
                 why = f"cost model {model}, this one is {model_digest()}"
             out.append((part, why))
         return out
+
+    def check_workload(self, workload: str) -> None:
+        """Refuse to add ``workload`` rows (training or serving) to a folder holding the other
+        kind: their columns and summaries differ."""
+        parts = self.parts()
+        if not parts:
+            return
+        table = ds.dataset([str(p) for p in parts], format="parquet").to_table(columns=["workload"])
+        other = set(table.column("workload").to_pylist()) - {workload, None}
+        if other:
+            raise StageDseError(
+                f"{self.root} holds {', '.join(sorted(other))} results; {workload} results go "
+                "to their own folder: choose another sweep_name"
+            )
 
     def parts(self) -> list[Path]:
         return sorted(self.root.glob(PART_GLOB)) if self.root.is_dir() else []

@@ -53,7 +53,9 @@ GIB = 2.0**30
 INFEASIBLE_REASON = "does not fit in usable memory (short by -mem_headroom_bytes)"
 
 
-def finalize_rows(configs: pd.DataFrame, costs: pd.DataFrame | None, sweep: str) -> pd.DataFrame:
+def finalize_rows(
+    configs: pd.DataFrame, costs: pd.DataFrame | None, sweep: str, run_id: str = ""
+) -> pd.DataFrame:
     """Result rows in schema order: configs, their hash, outcome, costs, provenance."""
     out = configs[list(CONFIG_COLUMNS)].copy()
     if "config_hash" in configs:
@@ -61,6 +63,7 @@ def finalize_rows(configs: pd.DataFrame, costs: pd.DataFrame | None, sweep: str)
     else:
         out.insert(0, "config_hash", config_hash(configs))
     out.insert(1, "sweep", sweep)
+    out.insert(2, "run_id", run_id)
     if costs is not None:
         cc = cost_columns(costs)
         for c in cc.columns:
@@ -72,10 +75,10 @@ def finalize_rows(configs: pd.DataFrame, costs: pd.DataFrame | None, sweep: str)
     return out[[f.name for f in RESULT_SCHEMA]]
 
 
-def evaluate_batch(batch: pd.DataFrame, sweep: str = "default") -> pd.DataFrame:
+def evaluate_batch(batch: pd.DataFrame, sweep: str = "default", run_id: str = "") -> pd.DataFrame:
     """Evaluate valid plans; status ``ok`` when they fit in usable memory, else ``infeasible``."""
     costs = evaluate_table(batch)
-    rows = finalize_rows(batch, costs, sweep)
+    rows = finalize_rows(batch, costs, sweep, run_id)
     headroom = costs["mem_headroom_bytes"].to_numpy()
     fits = headroom >= 0
     rows["status"] = pd.Categorical.from_codes(
@@ -88,15 +91,17 @@ def evaluate_batch(batch: pd.DataFrame, sweep: str = "default") -> pd.DataFrame:
     return rows
 
 
-def invalid_rows(configs: pd.DataFrame, reasons: list[str], sweep: str) -> pd.DataFrame:
-    rows = finalize_rows(configs, None, sweep)
+def invalid_rows(
+    configs: pd.DataFrame, reasons: list[str], sweep: str, run_id: str = ""
+) -> pd.DataFrame:
+    rows = finalize_rows(configs, None, sweep, run_id)
     rows["status"] = "invalid"
     rows["reason"] = reasons
     return rows
 
 
-def error_rows(configs: pd.DataFrame, message: str, sweep: str) -> pd.DataFrame:
-    rows = finalize_rows(configs, None, sweep)
+def error_rows(configs: pd.DataFrame, message: str, sweep: str, run_id: str = "") -> pd.DataFrame:
+    rows = finalize_rows(configs, None, sweep, run_id)
     rows["status"] = "error"
     rows["reason"] = message
     return rows
@@ -146,7 +151,9 @@ def done_hashes(hashes: Iterable[str]) -> np.ndarray:
     return np.unique(np.fromiter((int(h, 16) for h in hashes), dtype=np.uint64))
 
 
-def evaluate_block(block: Block, sweep: str, done: np.ndarray | None = None) -> pa.Table:
+def evaluate_block(
+    block: Block, sweep: str, done: np.ndarray | None = None, run_id: str = ""
+) -> pa.Table:
     """Enumerate a block, drop configurations already in ``done`` (see :func:`done_hashes`),
     evaluate the rest; the result rows come back as an Arrow table in the results schema,
     built column by column from the plan and cost arrays (no DataFrame on the way)."""
@@ -158,7 +165,7 @@ def evaluate_block(block: Block, sweep: str, done: np.ndarray | None = None) -> 
     if len(plans) == 0:
         return RESULT_SCHEMA.empty_table()
     names, out = evaluate_columns(plans)
-    return rows_table(plans, hashes, cost_arrays(names, out), sweep)
+    return rows_table(plans, hashes, cost_arrays(names, out), sweep, run_id)
 
 
 @dataclass(frozen=True)
@@ -170,10 +177,12 @@ class EncodedPart:
     status: dict[str, int]
 
 
-def evaluate_part(block: Block, sweep: str, done: np.ndarray | None = None) -> EncodedPart:
+def evaluate_part(
+    block: Block, sweep: str, done: np.ndarray | None = None, run_id: str = ""
+) -> EncodedPart:
     """:func:`evaluate_block`, encoded as a part file where it ran: Parquet encoding is spread
     over the workers and a compressed part travels instead of the Arrow columns."""
-    table = evaluate_block(block, sweep, done)
+    table = evaluate_block(block, sweep, done, run_id)
     status = table.column("status").combine_chunks().value_counts().to_pylist()
     counts = {d["values"]: d["counts"] for d in status}
     return EncodedPart(encode_part(table) if len(table) else b"", len(table), counts)
@@ -201,7 +210,11 @@ def _config_column(plans: PlanColumns, name: str, field: pa.Field) -> pa.Array:
 
 
 def rows_table(
-    plans: PlanColumns, hashes: np.ndarray, costs: dict[str, np.ndarray], sweep: str
+    plans: PlanColumns,
+    hashes: np.ndarray,
+    costs: dict[str, np.ndarray],
+    sweep: str,
+    run_id: str = "",
 ) -> pa.Table:
     """Result rows of evaluated plans (``costs`` from :func:`cost_arrays`) as Arrow."""
     n = len(plans)
@@ -216,6 +229,8 @@ def rows_table(
             arrays.append(pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data)))
         elif name == "sweep":
             arrays.append(_dictionary(zeros, [sweep]))
+        elif name == "run_id":
+            arrays.append(_dictionary(zeros, [run_id]))
         elif name == "status":
             arrays.append(_dictionary(bad, ["ok", "infeasible"]))
         elif name == "reason":

@@ -21,7 +21,7 @@ from stage_dse.cost.serving import evaluate_serving_table, serving_key
 from stage_dse.cost.table import config_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import SERVING_COLUMNS, config_hash
-from stage_dse.results.store import ResultStore
+from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec.serving import ServingSpec, serving_plan
@@ -37,6 +37,7 @@ def run_serving(
 ) -> SweepReport:
     replaced = store.prepare(log)
     try:
+        store.check_workload("serving")
         return _run_serving(spec, store, log, replaced)
     finally:
         store.release()
@@ -44,7 +45,7 @@ def run_serving(
 
 def _run_serving(spec, store, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
-    report = SweepReport(name=spec.name)
+    report = SweepReport(name=spec.name, run_id=new_run_id())
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     model = spec.model
@@ -102,7 +103,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
         keys = [k for k, kept in zip(keys, keep) if kept]
         if len(table):
             costs = evaluate_serving_table(table, keys)
-            out = finalize_rows(table, None, spec.name)
+            out = finalize_rows(table, None, spec.name, report.run_id)
             for src, dst in SERVING_COLUMNS.items():
                 out[dst] = costs[src].to_numpy()
             out["mem_weights_bytes"] = out["serve_weights_bytes"]

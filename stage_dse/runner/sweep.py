@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from stage_dse.results.store import ResultStore
+from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import (
     Block,
     block_configs,
@@ -46,6 +46,8 @@ class SweepReport:
     trial_states: Counter = field(default_factory=Counter)
     """Optuna searches: trials by final state."""
     seconds: float = 0.0
+    run_id: str = ""
+    """Recorded in the ``run_id`` column of every row this run evaluated."""
 
 
 def _chunks(spec: SweepSpec) -> Iterator[tuple[pd.DataFrame, int, Counter]]:
@@ -131,6 +133,7 @@ def run_grid(
     """
     replaced = store.prepare(log)
     try:
+        store.check_workload("training")
         return _run_grid(spec, executor, store, batch_size, progress, log, replaced)
     finally:
         store.release()
@@ -138,7 +141,7 @@ def run_grid(
 
 def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
-    report = SweepReport(name=spec.name)
+    report = SweepReport(name=spec.name, run_id=new_run_id())
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
     done = frozenset(store.hashes())
@@ -174,7 +177,7 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
         executor.compile(family_keys(spec))
     bar = _progress(report.valid, progress)
     shared_done = executor.share(done_hashes(done)) if done else None
-    tasks = ((i, (b, spec.name, shared_done)) for i, b in enumerate(blocks))
+    tasks = ((i, (b, spec.name, shared_done, report.run_id)) for i, b in enumerate(blocks))
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = []
         for bid, result in executor.map(evaluate_part, tasks):
@@ -182,7 +185,8 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
             if isinstance(result, BaseException):
                 configs = block_configs(block)
                 configs = configs[~configs["config_hash"].isin(done).to_numpy()]
-                rows = error_rows(configs, f"{type(result).__name__}: {result}", spec.name)
+                message = f"{type(result).__name__}: {result}"
+                rows = error_rows(configs, message, spec.name, report.run_id)
                 pending.append(writer.submit(store.write, rows))
                 n_rows, statuses = len(rows), {"error": len(rows)}
             else:

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import config_hash
-from stage_dse.results.store import ResultStore
+from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import error_rows, evaluate_batch, finalize_rows, invalid_rows
 from stage_dse.runner.executors import Executor
 from stage_dse.runner.sweep import SweepReport
@@ -106,6 +106,7 @@ def run_optuna(
 
     replaced = store.prepare(log)
     try:
+        store.check_workload("training")
         return _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
     finally:
         store.release()
@@ -153,7 +154,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         f"sweep {spec.name}: optuna {sampler_kind} over {', '.join(axes)}; objectives "
         f"{objectives}; {existing} trials in {store.root / '_optuna.journal'}, asking {remaining}"
     )
-    report = SweepReport(name=spec.name)
+    report = SweepReport(name=spec.name, run_id=new_run_id())
     done = store.hashes()
     states: Counter = Counter()
     while remaining > 0:
@@ -211,7 +212,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         written = []
         if bad_rows:
             cfg = pd.DataFrame(bad_rows)
-            written.append(invalid_rows(cfg, bad_reasons, spec.name))
+            written.append(invalid_rows(cfg, bad_reasons, spec.name, report.run_id))
         if valid_rows:
             table = pd.DataFrame(valid_rows)
             table["config_hash"] = config_hash(table).to_numpy()
@@ -228,7 +229,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
                 study.tell(valid_trials[i], state=TrialState.PRUNED)
                 states["pruned (does not fit in memory)"] += 1
             if (~fits).any():
-                rows = finalize_rows(table[~fits], mem[~fits], spec.name)
+                rows = finalize_rows(table[~fits], mem[~fits], spec.name, report.run_id)
                 rows["status"] = "infeasible"
                 need = mem["mem_total"].to_numpy()[~fits] / GIB
                 have = table["usable_memory"].to_numpy()[~fits] / GIB
@@ -240,14 +241,16 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
             if fits.any():
                 batch = table[fits].reset_index(drop=True)
                 fit_trials = [t for t, f in zip(valid_trials, fits) if f]
-                ((_, result),) = list(executor.map(evaluate_batch, [(0, (batch, spec.name))]))
+                ((_, result),) = list(
+                    executor.map(evaluate_batch, [(0, (batch, spec.name, report.run_id))])
+                )
                 if isinstance(result, BaseException):
                     msg = f"{type(result).__name__}: {result}"
                     for t in fit_trials:
                         t.set_user_attr("reason", msg)
                         study.tell(t, state=TrialState.FAIL)
                         states["fail (error)"] += 1
-                    written.append(error_rows(batch, msg, spec.name))
+                    written.append(error_rows(batch, msg, spec.name, report.run_id))
                 else:
                     for t, (_, r) in zip(fit_trials, result.iterrows()):
                         study.tell(t, _objective_values(r, objectives))
