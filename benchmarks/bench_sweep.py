@@ -64,8 +64,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     executor = RayExecutor()
+    cpus = executor.num_cpus  # Ray starts on first use
     t_ray = time.perf_counter() - t0
-    print(f"ray start: {t_ray:.1f} s ({executor.num_cpus} CPUs, workers have imported stage_dse)")
+    print(f"ray start: {t_ray:.1f} s ({cpus} CPUs, workers have imported stage_dse)")
     out = tempfile.mkdtemp(prefix="stage_dse_bench_")
     try:
         store = ResultStore(os.path.join(out, SPEC.name))

@@ -68,7 +68,8 @@ def main() -> None:
     sets = SETS[:-1] if args.skip_largest else SETS
     t0 = time.perf_counter()
     executor = RayExecutor()
-    print(f"ray start: {time.perf_counter() - t0:.1f} s ({executor.num_cpus} CPUs)")
+    cpus = executor.num_cpus  # Ray starts on first use
+    print(f"ray start: {time.perf_counter() - t0:.1f} s ({cpus} CPUs)")
     try:
         for name, plan, batch, seq, use_ray in sets:
             ranks = plan.num_gpus

@@ -136,3 +136,54 @@ def test_optuna_rerun_after_a_killed_run(tmp_path):
     abandoned = [t for t in study.trials if "abandoned" in str(t.user_attrs.get("reason", ""))]
     assert len(abandoned) == 5
     assert len(study.trials) - len(abandoned) == 30
+
+
+def test_ray_processes_end_after_the_driver_is_killed(tmp_path):
+    """kill -9 of a sweep running on its embedded Ray: within seconds no process the driver
+    started (GCS, raylet, agents, workers) is left."""
+    from stage_dse.runner.reaper import descendants
+
+    args = [sys.executable, "-m", "stage_dse.cli", f"results_dir={tmp_path}", "runner=ray"]
+    args += ["runner.progress=false", "plan=wide", "num_gpus=[32,64]", "sweep_name=k"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    started: set[int] = set()
+    while time.time() < deadline and not list((tmp_path / "k").glob("part-*.parquet")):
+        started |= descendants(proc.pid)
+        time.sleep(0.2)
+    started |= descendants(proc.pid)
+    assert any(b"raylet" in _cmdline(p) for p in started), "Ray never started"
+    os.kill(proc.pid, 9)
+    proc.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and [p for p in started if _running(p)]:
+        time.sleep(0.5)
+    left = [(p, _cmdline(p)[:80]) for p in started if _running(p)]
+    assert not left, left
+
+
+def test_nothing_to_evaluate_starts_no_ray(tmp_path):
+    from stage_dse.runner import RayExecutor
+
+    spec = small_spec(gpus=(16,))
+    run_grid(spec, LocalExecutor(), ResultStore(tmp_path / "r"), progress=False)
+    executor = RayExecutor(num_cpus=1)
+    report = run_grid(spec, executor, ResultStore(tmp_path / "r"), progress=False)
+    assert report.evaluated == 0 and executor._ray is None  # never started
+    executor.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False

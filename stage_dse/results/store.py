@@ -42,9 +42,10 @@ QUARANTINE_DIR = "_quarantine"
 
 
 def new_run_id() -> str:
-    """A run's id: its UTC start time and process id, e.g. ``20261201T040512Z-4242`` (sorts
-    by start time)."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+    """A run's id: its UTC start time, process id and a random tag, e.g.
+    ``20261201T040512Z-4242-9f3c`` (sorts by start time)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
 def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA) -> bytes:

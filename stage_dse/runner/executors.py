@@ -10,6 +10,7 @@ machines.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -81,27 +82,47 @@ class RayExecutor:
         max_retries: int = 3,
         max_in_flight: int | None = None,
     ) -> None:
+        self.address = address
+        self._num_cpus_wanted = num_cpus
+        self._max_in_flight = max_in_flight
+        self.max_retries = max_retries
+        self.started_here = False
+        self._ray = None
+        self._reaper = None
+        self._remote: dict[Callable, Any] = {}
+
+    def _ensure(self) -> None:
+        """Start (or join) Ray on first use, so that a sweep with nothing to evaluate never
+        pays for it."""
+        if self._ray is not None:
+            return
         import ray
 
         self._ray = ray
-        self.started_here = False
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             kwargs = {"logging_level": logging.WARNING, "log_to_driver": False}
-            if address:
-                ray.init(address=address, **kwargs)
+            if self.address:
+                ray.init(address=self.address, **kwargs)
             else:
                 ray.init(
-                    num_cpus=num_cpus or os.cpu_count() or 1,
+                    num_cpus=self._num_cpus_wanted or os.cpu_count() or 1,
                     include_dashboard=False,
                     **kwargs,
                 )
+                # the local Ray processes end with this process, even after SIGKILL
+                from stage_dse.runner.reaper import start_reaper
+
+                self._reaper = start_reaper()
             self.started_here = True
-        self.num_cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.max_in_flight = max_in_flight or 2 * self.num_cpus
-        self.max_retries = max_retries
-        self._remote: dict[Callable, Any] = {}
+        self._num_cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.max_in_flight = self._max_in_flight or 2 * self._num_cpus
         self._warm_up()
+
+    @property
+    def num_cpus(self) -> int:
+        self._ensure()
+        return self._num_cpus
 
     def _warm_up(self) -> None:
         """Have the workers import the evaluator now (about half a second each), so start-up
@@ -128,18 +149,25 @@ class RayExecutor:
         disk cache instead of deriving them again."""
         keys = list(keys)
         if len(keys) > 1:
+            self._ensure()
             remote = self._as_remote(_compile_task)
             self._ray.get([remote.remote(k) for k in keys])
 
     def share(self, obj: Any) -> Any:
         """Put a large read-only argument in the object store once."""
+        self._ensure()
         return self._ray.put(obj)
 
     def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]:
+        it = iter(tasks)
+        first = next(it, None)
+        if first is None:
+            return
+        self._ensure()
         ray = self._ray
         remote = self._as_remote(fn)
         pending: dict = {}
-        it = iter(tasks)
+        it = itertools.chain([first], it)
         exhausted = False
         while pending or not exhausted:
             while not exhausted and len(pending) < self.max_in_flight:
@@ -160,7 +188,7 @@ class RayExecutor:
                     yield tid, exc
 
     def close(self) -> None:
-        if self.started_here and self._ray.is_initialized():
+        if self.started_here and self._ray is not None and self._ray.is_initialized():
             self._ray.shutdown()
 
 

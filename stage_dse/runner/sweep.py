@@ -14,12 +14,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
+from stage_dse.results.schema import config_hash_u64
 from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import (
     Block,
     block_configs,
+    block_plans,
     done_hashes,
     error_rows,
     evaluate_part,
@@ -173,10 +176,20 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
         f"({rejected_total:,} rejected by divisibility rules); {len(done):,} rows already in "
         f"{store.root}; evaluating the rest in {len(blocks)} batches on {executor.name}"
     )
+    if done and blocks:
+        # a resumed sweep: blocks whose every configuration is stored need no worker (and a
+        # sweep with nothing left starts no Ray)
+        stored = done_hashes(done)
+        todo = [b for b in blocks if not np.isin(config_hash_u64(block_plans(b)), stored).all()]
+        kept = {id(b) for b in todo}
+        report.skipped += sum(b.stop - b.start for b in blocks if id(b) not in kept)
+        blocks = todo
+        if not blocks:
+            log("every configuration is already stored: nothing to evaluate")
     if blocks:
         executor.compile(family_keys(spec))
     bar = _progress(report.valid, progress)
-    shared_done = executor.share(done_hashes(done)) if done else None
+    shared_done = executor.share(done_hashes(done)) if done and blocks else None
     tasks = ((i, (b, spec.name, shared_done, report.run_id)) for i, b in enumerate(blocks))
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = []
