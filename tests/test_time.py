@@ -329,15 +329,15 @@ def test_validate_command_prints_both_summary_lines(capsys):
         (lambda: load_hardware("tpu_v9"), "unknown hardware preset 'tpu_v9'; valid: "),
         (
             lambda: load_cluster("dgx_h100", inter_gbit_s=0),
-            "cluster.inter_bandwidth_bytes_per_s must be > 0",
+            "cluster.inter_gbit_s must be > 0",
         ),
         (
             lambda: load_cluster("dgx_h100", intra_gb_s=-5),
-            "cluster.intra_bandwidth_bytes_per_s must be > 0",
+            "cluster.intra_gb_s must be >= 0, got -5",
         ),
         (
             lambda: load_hardware("h100_sxm", hbm_tb_s=0),
-            "hardware.hbm_bandwidth_bytes_per_s must be > 0",
+            "hardware.hbm_tb_s must be > 0",
         ),
         (
             lambda: load_hardware("h100_sxm", gemm_efficiency=1.5),

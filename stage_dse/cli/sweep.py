@@ -109,6 +109,13 @@ def run(cfg: DictConfig) -> int:
             )
     finally:
         executor.close()
+    if search is None and report.valid == 0:
+        rules = "; ".join(f"{r} ({n:,})" for r, n in report.rejected.most_common(3))
+        raise StageDseError(
+            f"no valid plan among {report.candidates:,} candidates, rejected by: "
+            f"{rules or 'no candidates'}; widen the plan axes or change the model, GPU counts "
+            "or batch"
+        )
     df = store.read()
     _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:")
     if report.trial_states:

@@ -93,6 +93,8 @@ def _convert(
             field, factor = units[key]
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{kind}.{key} must be a number, got {value!r}")
+            if value < 0:
+                raise ConfigError(f"{kind}.{key} must be >= 0, got {value!r}")
             out[field] = float(value) * factor
         elif key in fields:
             out[key] = value
@@ -103,6 +105,13 @@ def _convert(
         return spec_type(**out)
     except TypeError as exc:
         raise ConfigError(f"{kind}: {exc}") from None
+    except ConfigError as exc:
+        # name the key the user wrote (hbm_gib), not the field it became (hbm_bytes)
+        message = str(exc)
+        for key, (field, _) in units.items():
+            if key in data:
+                message = message.replace(f"{kind}.{field}", f"{kind}.{key}")
+        raise ConfigError(message) from None
 
 
 def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:

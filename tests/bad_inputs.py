@@ -1,0 +1,124 @@
+"""Bad inputs through the console scripts: each must exit non-zero with one line naming the field.
+
+Run: ``python tests/bad_inputs.py`` (prints one line per case and a summary; exit 1 if any case
+fails). ``tests/test_bad_inputs.py`` runs it under pytest. Every case runs in a fresh process,
+as a user would, with the results folder in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# (console script, arguments, text the one line must contain)
+CASES: list[tuple[str, list[str], str]] = [
+    ("stage-dse", ["model=nope"], "model"),
+    ("stage-dse", ["hardware=nope"], "hardware"),
+    ("stage-dse", ["cluster=nope"], "cluster"),
+    ("stage-dse", ["num_gpus=[-8]"], "num_gpus"),
+    ("stage-dse", ["num_gpus=[0]"], "num_gpus"),
+    ("stage-dse", ["num_gpus=[eight]"], "num_gpus"),
+    ("stage-dse", ["num_gpus=[100000000]"], "num_gpus"),
+    ("stage-dse", ["num_gpus=[4611686018427387904]"], "num_gpus"),
+    ("stage-dse", ["training.seq_len=0"], "seq_len"),
+    ("stage-dse", ["training.seq_len=1000000000"], "seq_len"),
+    ("stage-dse", ["training.global_batch_size=-1"], "global_batch"),
+    ("stage-dse", ["training.gemm_dtype=fp4"], "gemm_dtype"),
+    ("stage-dse", ["training.gemm_dtype=fp8", "hardware=a100_80gb"], "fp8"),
+    ("stage-dse", ["plan.tp=[3]"], "tp"),
+    ("stage-dse", ["plan.micro_batch_size=[0]"], "micro_batch"),
+    ("stage-dse", ["plan.zero_stage=[5]"], "zero_stage"),
+    ("stage-dse", ["plan.recompute=[sometimes]"], "recompute"),
+    ("stage-dse", ["plan.attention=[magic]"], "attention"),
+    ("stage-dse", ["plan.virtual_stages=[0]"], "virtual_stages"),
+    ("stage-dse", ["plan.stage_layers=[abc]"], "stage_layers"),
+    ("stage-dse", ["plan.rank_order=[tp-dp]"], "rank_order"),
+    ("stage-dse", ["plan.ep=[2]"], "ep"),
+    ("stage-dse", ["runner=nope"], "runner"),
+    ("stage-dse", ["runner.batch_size=0"], "batch_size"),
+    ("stage-dse", ["runner.kind=slurm"], "runner.kind"),
+    ("stage-dse", ["search=nope"], "search"),
+    ("stage-dse", ["search=optuna", "search.n_trials=0"], "n_trials"),
+    ("stage-dse", ["search=optuna", "search.sampler=annealing"], "sampler"),
+    ("stage-dse", ["search=optuna", "search.objectives=[speed]"], "objectives"),
+    ("stage-dse", ["mode=fast"], "mode"),
+    ("stage-dse", ["workload=inference"], "workload"),
+    ("stage-dse", ["hardware.hbm_gib=-80"], "hbm_gib"),
+    ("stage-dse", ["cluster.inter_gbit_s=0"], "inter"),
+    ("stage-dse", ["cluster.gpus_per_node=0"], "gpus_per_node"),
+    ("stage-dse", ["sweep_name=a/../../escaped"], "sweep_name"),
+    ("stage-dse", ["+sweep=nope"], "sweep"),
+    ("stage-dse", ["no_such_key=1"], "no_such_key"),
+    ("stage-dse", ["workload=serving", "serving.batch_size=[0]"], "batch_size"),
+    ("stage-dse", ["workload=serving", "serving.tp=[3]"], "tp"),
+    ("stage-dse", ["workload=serving", "serving.kv_dtype=fp4"], "kv_dtype"),
+    ("stage-dse", ["workload=serving", "serving.ep=[2]"], "ep"),
+    ("stage-dse", ["workload=serving", "serving.prompt_len=[-1]"], "prompt_len"),
+    ("stage-dse-trace", ["check", "{tmp}/missing"], "missing"),
+    ("stage-dse-trace", ["replay", "{tmp}/missing"], "missing"),
+    ("stage-dse-trace", ["json", "{tmp}/missing.et"], "missing.et"),
+    ("stage-dse-trace", ["select", "{tmp}/missing"], "missing"),
+    ("stage-dse-trace", ["config", "{tmp}/t", "plan.tp=[1,2]"], "plan.tp"),
+    ("stage-dse-trace", ["config", "{tmp}/t", "num_gpus=[8,16]"], "num_gpus"),
+    (
+        "stage-dse-trace",
+        [
+            "config",
+            "{tmp}/t",
+            "workload=serving",
+            "serving.tp=1",
+            "serving.batch_size=[1]",
+            "serving.prompt_len=[128]",
+            "serving.phase=middle",
+        ],  # fmt: skip
+        "serving.phase",
+    ),
+    ("stage-dse-plot", ["{tmp}/missing"], "missing"),
+    ("stage-dse-validate", ["--hardware", "nope"], "hardware"),
+]
+
+
+def run_case(script: str, args: list[str], needle: str, tmp: str) -> str | None:
+    """None when the case behaves, else what went wrong."""
+    argv = [script, *(a.format(tmp=tmp) for a in args)]
+    if script == "stage-dse":
+        argv += [f"results_dir={tmp}/results"]
+        if not any(a.startswith("runner") for a in args):
+            argv += ["runner=local", "runner.progress=false"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"}
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    if proc.returncode == 0:
+        return "exit 0"
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    if len(err) != 1:
+        return f"{len(err)} lines on stderr: {' | '.join(err[:4])[:300]}"
+    if needle not in err[0]:
+        return f"line does not name {needle!r}: {err[0][:300]}"
+    _ = lines
+    return None
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = []
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for i, (script, args, needle) in enumerate(CASES):
+                case_tmp = Path(tmp) / str(i)
+                case_tmp.mkdir()
+                jobs.append(pool.submit(run_case, script, args, needle, str(case_tmp)))
+        failures = 0
+        for (script, args, _), job in zip(CASES, jobs):
+            problem = job.result()
+            failures += problem is not None
+            print(f"{'FAIL' if problem else 'ok  '} {script} {' '.join(args)}: {problem or ''}")
+        print(f"{len(CASES) - failures} of {len(CASES)} bad inputs give one line naming the field")
+        return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
