@@ -74,7 +74,7 @@ CASES: list[tuple[str, list[str], str]] = [
             "serving.batch_size=[1]",
             "serving.prompt_len=[128]",
             "serving.phase=middle",
-        ],  # fmt: skip
+        ],
         "serving.phase",
     ),
     ("stage-dse-plot", ["{tmp}/missing"], "missing"),

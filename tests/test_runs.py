@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from test_sweep import compose_cfg, small_spec
@@ -187,3 +188,51 @@ def _running(pid: int) -> bool:
             return fh.read().split(") ")[-1][:1] != "Z"
     except OSError:
         return False
+
+
+def test_multirun_jobs_are_validated_before_any_runs(tmp_path):
+    """``-m 'num_gpus=[-8],[64]'``: the bad job is reported in one line and the good one is not
+    started (nothing is written)."""
+    proc = subprocess.run(
+        ["stage-dse", "-m", "num_gpus=[-8],[64]", f"results_dir={tmp_path}", "runner=local"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "job num_gpus=[-8]" in err[0] and "num_gpus" in err[0]
+    assert not list(tmp_path.rglob("part-*.parquet"))
+
+
+def test_yaml_error_names_file_line_and_column(tmp_path, monkeypatch):
+    from stage_dse.cli._common import precheck
+    from stage_dse.config import conf_dir
+
+    bad = Path(conf_dir()).parent / "sweeps" / "zz_broken_for_test.yaml"
+    bad.write_text("num_gpus: [64\n  oops: : x\n")
+    try:
+        message = precheck(["+sweep=zz_broken_for_test"])
+    finally:
+        bad.unlink()
+    assert message.startswith(f"{bad}:2:") and "expected" in message
+
+
+def test_hydra_keeps_run_configs_beside_the_results_not_in_the_working_directory(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = subprocess.run(
+        ["stage-dse", f"results_dir={tmp_path / 'res'}", "runner=local", "num_gpus=[8]",
+         "runner.progress=false", "plan.micro_batch_size=[1]"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not list(work.iterdir())  # nothing written where the user stands
+    (run_dir,) = (tmp_path / "res" / "default" / "_runs").iterdir()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "memory judged against: 78.0 GiB usable per h100_sxm GPU" in proc.stdout
+
+
+def test_load_of_a_missing_folder_is_an_error(tmp_path):
+    with pytest.raises(StageDseError, match="is not a results folder"):
+        load(tmp_path / "typo")

@@ -59,12 +59,17 @@ def compose(overrides: list[str]) -> DictConfig:
 def precheck(overrides: list[str]) -> str | None:
     """Compose the config once to turn Hydra's multi-line composition errors (unknown preset,
     value of the wrong type) into one line naming the override; None when it composes."""
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         compose(overrides)
+    except yaml.MarkedYAMLError as exc:
+        return yaml_error_line(exc)
     except (HydraException, OmegaConfBaseException) as exc:
+        if isinstance(exc.__cause__, yaml.MarkedYAMLError):
+            return yaml_error_line(exc.__cause__)
         text = " ".join(str(exc).split())
         if "Could not find" in text and "Available options" in text:
             head, _, opts = text.partition("Available options in")
@@ -77,4 +82,48 @@ def precheck(overrides: list[str]) -> str | None:
         if cause is not None:
             text = f"{text}: {str(cause).splitlines()[0]}"
         return text.split(" full_key:")[0]
+    return None
+
+
+def yaml_error_line(exc) -> str:
+    """``file:line:col: problem`` of a YAML syntax error (lines and columns from 1)."""
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "YAML"
+    problem = exc.problem or "syntax error"
+    context = f" ({exc.context})" if exc.context else ""
+    return f"{where}: {problem}{context}"
+
+
+def multirun_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override lists of the jobs ``-m`` would run (Hydra's basic sweeper: the cartesian
+    product of every comma-separated or range override)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def check_jobs(overrides: list[str], validate: Callable[[DictConfig], None]) -> str | None:
+    """Compose and validate every job of a multirun before any runs; the first problem as
+    one line naming its job, or None."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from stage_dse.errors import StageDseError
+
+    try:
+        jobs = multirun_jobs(overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return " ".join(str(exc).split())
+    for job in jobs:
+        message = precheck(job)
+        if message is None:
+            try:
+                validate(compose(job))
+            except StageDseError as exc:
+                message = str(exc)
+        if message:
+            return f"job {' '.join(job)}: {message}"
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from stage_dse.cli._common import fail, precheck
+from stage_dse.cli._common import check_jobs, fail, precheck
 from stage_dse.config.presets import conf_dir
 from stage_dse.config.schema import check_top_level, register_schemas, to_optuna, to_sweep
 from stage_dse.errors import StageDseError
@@ -118,6 +118,10 @@ def run(cfg: DictConfig) -> int:
         )
     df = store.read()
     _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:")
+    limit = spec.memory_limit_bytes
+    for hw in spec.hardware:
+        usable = min(hw.usable_bytes, limit) if limit else hw.usable_bytes
+        print(f"memory judged against: {usable / GIB:.1f} GiB usable per {hw.name} GPU")
     if report.trial_states:
         print("optuna trials by state:")
         print(_fmt_counter(report.trial_states))
@@ -186,6 +190,22 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(fail("stage-dse", str(exc)))
 
 
+def validate_config(cfg: DictConfig) -> None:
+    """Everything a job checks before it evaluates anything (specs built, ranges checked)."""
+    from stage_dse.config.schema import to_serving_sweep
+
+    check_top_level(cfg)
+    if cfg.workload == "serving":
+        to_serving_sweep(cfg)
+        return
+    to_sweep(cfg)
+    if cfg.search.kind == "optuna":
+        to_optuna(cfg)
+
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
 def main() -> None:
     """Console script ``stage-dse``."""
     args = sys.argv[1:]
@@ -193,6 +213,13 @@ def main() -> None:
         message = precheck(args)
         if message:
             sys.exit(fail("stage-dse", message))
+    elif any(a in MULTIRUN_FLAGS for a in args):
+        # every job of a multirun is composed and validated before the first one runs
+        overrides = [a for a in args if not a.startswith("-")]
+        if len(overrides) == len(args) - 1:  # no other flags
+            message = check_jobs(overrides, validate_config)
+            if message:
+                sys.exit(fail("stage-dse", message))
     _hydra_main()
 
 

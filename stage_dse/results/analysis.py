@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from stage_dse.errors import StageDseError
 from stage_dse.results.store import ResultStore
 
 __all__ = ["best_per", "load", "pareto"]
@@ -21,6 +22,8 @@ def load(path: str | os.PathLike, filters=None, columns: list[str] | None = None
     """
     import pyarrow.parquet as pq
 
+    if not os.path.isdir(path):
+        raise StageDseError(f"{path} is not a results folder (no such directory)")
     if isinstance(filters, list):
         filters = pq.filters_to_expression(filters)
     return ResultStore(path).read(columns=columns, filters=filters)
