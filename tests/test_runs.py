@@ -236,3 +236,12 @@ def test_hydra_keeps_run_configs_beside_the_results_not_in_the_working_directory
 def test_load_of_a_missing_folder_is_an_error(tmp_path):
     with pytest.raises(StageDseError, match="is not a results folder"):
         load(tmp_path / "typo")
+
+
+def test_help_lists_groups_and_main_options():
+    proc = subprocess.run(["stage-dse", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert len(lines) < 40 and lines[0].startswith("usage: stage-dse")
+    for needle in ("model ", "llama3_8b", "runner ", "num_gpus=", "+sweep=NAME", "-m "):
+        assert any(needle in line for line in lines), needle

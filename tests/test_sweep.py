@@ -274,7 +274,7 @@ def test_optuna_prunes_infeasible_trials_and_resumes(tmp_path):
     assert load(tmp_path / "opt")["config_hash"].is_unique
 
 
-def test_multi_objective_optuna_uses_nsga2(tmp_path):
+def test_multi_objective_optuna_uses_nsga2(tmp_path, capsys):
     import optuna
 
     cfg = compose_cfg(
@@ -296,6 +296,10 @@ def test_multi_objective_optuna_uses_nsga2(tmp_path):
     )
     study = optuna.load_study(study_name="mo", storage=storage)
     assert len(study.directions) == 3 and len(study.best_trials) >= 1
+    # the summary answers with the Pareto front (no plan in it dominated by another)
+    out = capsys.readouterr().out
+    assert "Pareto front over step_s, num_gpus, mem_total_bytes" in out
+    assert "top 10 fastest" not in out
 
 
 @pytest.mark.parametrize("name", SWEEPS)
@@ -367,7 +371,7 @@ def test_default_sweep_output_and_parquet(tmp_path):
     assert {"step_s", "mfu", "mem_total_bytes", "trace_dir", "package_version"} <= set(df.columns)
 
 
-def test_budget_mode_reports_closest_misses(tmp_path):
+def test_budget_mode_reports_closest_misses(tmp_path, capsys):
     cfg = compose_cfg(
         [
             f"results_dir={tmp_path}",
@@ -389,6 +393,9 @@ def test_budget_mode_reports_closest_misses(tmp_path):
     ok = df[df["status"] == "ok"]
     assert (ok["mem_total_bytes"] <= 40 * 2**30).all() and len(ok) > 0
     assert (df["status"] == "infeasible").any()
+    out = capsys.readouterr().out
+    assert "cheapest (GPU-seconds per step)" in out and " gpu_s " in out  # the key is shown
+    assert "memory judged against: 40.0 GiB usable" in out
 
 
 def test_analysis_helpers(tmp_path):

@@ -138,6 +138,16 @@ def run(cfg: DictConfig) -> int:
         report.run_id,
     )
     rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
+    if search is not None and len(search.objectives) > 1:
+        # a multi-objective study answers with its Pareto front, not one ranking
+        from stage_dse.results.analysis import pareto
+
+        scored = df.assign(gpu_seconds=df["step_s"] * df["num_gpus"])
+        front = pareto(scored, list(search.objectives))
+        table = top_table(front, len(front))
+        print(f"\nPareto front over {', '.join(search.objectives)} ({len(table)} plans):")
+        print(table.to_string(index=False) if len(table) else "  none fits")
+        return report.evaluated
     top = top_table(df, cfg.top_k, by=rank_by)
     label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
     print(f"\ntop {len(top)} {label} feasible plans:")
@@ -206,9 +216,44 @@ def validate_config(cfg: DictConfig) -> None:
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
+def usage() -> str:
+    """``stage-dse --help``: the config groups with their presets and the main options."""
+    from stage_dse.config.presets import list_presets
+
+    groups = "\n".join(
+        f"  {g:<9} {', '.join(p for p in list_presets(g) if not p.endswith('_schema'))}"
+        for g in ("model", "hardware", "cluster", "training", "plan", "search", "runner")
+    )
+    sweeps = ", ".join(sorted(p.stem for p in (conf_dir().parent / "sweeps").glob("*.yaml")))
+    return f"""usage: stage-dse [-m] [GROUP=PRESET ...] [KEY=VALUE ...]
+
+Sweep the parallel plans of a model on a cluster; results go to results/<sweep_name>/.
+
+config groups (GROUP=PRESET):
+{groups}
+named experiments: +sweep=NAME ({sweeps})
+
+main options:
+  num_gpus=[64,128]           GPU counts to sweep
+  plan.tp=[1,2,4] plan.pp=auto  plan axes (lists, or auto = every divisor); see conf/plan/
+  training.seq_len=8192 training.global_batch_size=1024
+  workload=training|serving   serving sweeps use serving.* (tp, pp, batch_size, prompt_len)
+  mode=sweep|budget           budget: budget.memory_gib, budget.max_gpus, budget.rank_by
+  search=grid|optuna          optuna: search.n_trials, search.objectives=[step_s,num_gpus]
+  runner=ray|local            runner.address=HOST:PORT joins a Ray cluster
+  sweep_name=NAME results_dir=DIR top_k=10 replace_stale=true
+
+  -m                          one job per comma-separated value (validated before any runs)
+  --cfg job                   print the composed config; --hydra-help for Hydra's own options
+"""
+
+
 def main() -> None:
     """Console script ``stage-dse``."""
     args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args):
+        print(usage())
+        return
     if not any(a.startswith("-") for a in args):  # a plain run: check overrides first
         message = precheck(args)
         if message:
