@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import sympy as sp
 
 from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
@@ -52,6 +51,7 @@ from stage_dse.trace.program import (
     config_values,
     consumed_ops,
     emit_ops,
+    group_size,
     op_numbers,
     symbol_subs,
 )
@@ -296,7 +296,7 @@ def data_buckets(cfg: TraceConfig, ops, only=None, label: str = "") -> list[Buck
         seconds = collective_time(coll, group, size, cfg.plan.rank_order)
         b = float(sp.sympify(size).xreplace(subs))
         t = float(sp.sympify(seconds).xreplace(subs))
-        n = int(np.prod([_degree(cfg.plan, a) for a in group]))
+        n = group_size(cfg.plan, group)
         if n == 1:
             continue  # a one-rank group moves nothing
         trace_bytes = b / n if coll is CollKind.ALL_GATHER else b
@@ -305,16 +305,6 @@ def data_buckets(cfg: TraceConfig, ops, only=None, label: str = "") -> list[Buck
             Bucket(name, coll, group, max(1, round(trace_bytes)), max(1, round(t * 1e6)), round(b))
         )
     return out
-
-
-def _degree(plan, axis: MeshAxis) -> int:
-    return {
-        MeshAxis.TP: plan.tp,
-        MeshAxis.CP: plan.cp,
-        MeshAxis.EP: plan.ep,
-        MeshAxis.DP: plan.dp // plan.ep,
-        MeshAxis.PP: plan.pp,
-    }[axis]
 
 
 def issue(prog, buckets: list[Bucket], per_step: bool = False, after: list[int] = ()) -> list[int]:

@@ -50,6 +50,7 @@ __all__ = [
     "config_values",
     "consumed_ops",
     "emit_ops",
+    "group_size",
     "op_numbers",
     "symbol_subs",
 ]
@@ -143,14 +144,7 @@ class Program:
         self.flops = 0
         self.gathered = 0
         self.kinds: set = set()
-        degree = {
-            MeshAxis.TP: cfg.plan.tp,
-            MeshAxis.CP: cfg.plan.cp,
-            MeshAxis.EP: cfg.plan.ep,
-            MeshAxis.DP: cfg.plan.dp // cfg.plan.ep,
-            MeshAxis.PP: cfg.plan.pp,
-        }
-        self.group_size = lambda group: int(np.prod([degree[a] for a in group]))
+        self.group_size = lambda group: group_size(cfg.plan, group)
 
     def _new_id(self) -> int:
         i = self.next_id
@@ -275,6 +269,18 @@ class Program:
         self.counts["COMM_SEND_NODE" if send else "COMM_RECV_NODE"] += 1
         if not send:
             self.pending_comm.append(nid)
+
+
+def group_size(plan, group) -> int:
+    """Ranks in a communicator group of a plan's mesh (DP counts the ranks outside EP)."""
+    degree = {
+        MeshAxis.TP: plan.tp,
+        MeshAxis.CP: plan.cp,
+        MeshAxis.EP: plan.ep,
+        MeshAxis.DP: plan.dp // plan.ep,
+        MeshAxis.PP: plan.pp,
+    }
+    return int(np.prod([degree[a] for a in group]))
 
 
 def consumed_ops(graph: Graph) -> set[int]:
