@@ -260,6 +260,9 @@ def test_optuna_prunes_infeasible_trials_and_resumes(tmp_path):
     states = pd.Series([t.state.name for t in study.trials]).value_counts()
     assert len(study.trials) == 120
     assert states.get("PRUNED", 0) > 0 and states.get("COMPLETE", 0) > 0
+    # axes hold only values the model allows (tp dividing heads, kv heads and vocab, ...):
+    # invalid plans come from GPU-count divisibility alone (57% of trials before, about 25%)
+    assert states.get("FAIL", 0) < 0.4 * 120
     pruned = [t for t in study.trials if t.state.name == "PRUNED"]
     assert all("GiB > usable" in t.user_attrs["reason"] for t in pruned)
     df = load(tmp_path / "opt")

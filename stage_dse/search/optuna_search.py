@@ -77,17 +77,26 @@ def run_optuna(
     space = spec.space
     top = max(gpus)
 
-    def choices(name: str, limit: int | None = None) -> list[int]:
+    def choices(name: str, limit: int | None = None, divides: tuple[int, ...] = ()) -> list[int]:
+        """The axis's values that can be valid whatever the GPU count: not above ``limit`` and
+        dividing each of ``divides`` (the rules that depend on the model alone), so that the
+        sampler does not spend trials on plans the model rules out."""
         values = space.degrees(name, top)
-        return [v for v in values if limit is None or v <= limit]
+        return [
+            v for v in values if (limit is None or v <= limit) and all(d % v == 0 for d in divides)
+        ] or values
 
+    batch = spec.training.global_batch_size
     axes: dict[str, list] = {
         "num_gpus": gpus,
         "hardware": sorted(hardware),
-        "tp": choices("tp", model.num_heads),
+        "tp": choices(
+            "tp", model.num_heads, (model.num_heads, model.num_kv_heads, model.vocab_size)
+        ),
         "pp": choices("pp", model.num_layers),
-        "cp": choices("cp"),
-        "micro_batch_size": sorted(set(space.micro_batch_size)),
+        "cp": choices("cp", divides=(spec.training.seq_len,)),
+        "micro_batch_size": [b for b in sorted(set(space.micro_batch_size)) if batch % b == 0]
+        or sorted(set(space.micro_batch_size)),
         "zero_stage": sorted(set(space.zero_stage)),
         "recompute": list(space.recompute),
         "sequence_parallel": list(space.sequence_parallel),
