@@ -457,7 +457,8 @@ def _with(node: pb.Node, **fields) -> pb.Node:
 
 
 # ---------------------------------------------------------------------------- selection
-def test_selection_fills_trace_dir_for_exactly_the_selected_rows(tmp_path):
+@pytest.fixture
+def small_results(tmp_path):
     spec = SweepSpec(
         name="sel",
         models=(gpt(layers=4, hidden=256, heads=4, vocab=1024),),
@@ -469,6 +470,11 @@ def test_selection_fills_trace_dir_for_exactly_the_selected_rows(tmp_path):
     )
     store = ResultStore(tmp_path / "sel")
     run_grid(spec, LocalExecutor(), store, batch_size=100, progress=False)
+    return store.root
+
+
+def test_selection_fills_trace_dir_for_exactly_the_selected_rows(small_results):
+    store = ResultStore(small_results)
     before = load(store.root)
     chosen = select_and_write(store.root, top=3, log=lambda s: None)
     after = load(store.root)
@@ -598,23 +604,6 @@ def test_check_and_json_of_missing_paths_are_one_line_errors(tmp_path, capsys):
     assert len(err) == 2
     assert err[0].startswith("stage-dse-trace: error: ") and "not a trace set" in err[0]
     assert "no trace file" in err[1]
-
-
-# ---------------------------------------------------------------------------- selection safety
-@pytest.fixture
-def small_results(tmp_path):
-    spec = SweepSpec(
-        name="sel",
-        models=(gpt(layers=4, hidden=256, heads=4, vocab=1024),),
-        training=TINY_TRAIN,
-        hardware=(H100,),
-        cluster=load_cluster("dgx_h100"),
-        gpu_counts=(8,),
-        space=SearchSpace(micro_batch_size=(1,), virtual_stages=(1,)),
-    )
-    store = ResultStore(tmp_path / "sel")
-    run_grid(spec, LocalExecutor(), store, batch_size=100, progress=False)
-    return store.root
 
 
 @pytest.mark.parametrize("top", [0, -1])

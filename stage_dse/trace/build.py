@@ -216,15 +216,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         for g, count in all_sections:
             for _ in range(count):
                 issue(prog, param_gather[g])
-        t = StageTemplate(
-            stage=s,
-            pieces=prog.pieces,
-            nodes=prog.counts,
-            flops=prog.flops,
-            kinds=prog.kinds,
-            gathered_bytes=prog.gathered,
-        )
-        templates.append(t)
+        templates.append(prog.template(s))
     kinds = set().union(*(t.kinds for t in templates))
     mesh.register(kinds)
     manifest = {

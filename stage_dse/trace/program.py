@@ -146,6 +146,17 @@ class Program:
         self.kinds: set = set()
         self.group_size = lambda group: group_size(cfg.plan, group)
 
+    def template(self, stage: int) -> StageTemplate:
+        """The finished program of pipeline stage ``stage``."""
+        return StageTemplate(
+            stage=stage,
+            pieces=self.pieces,
+            nodes=self.counts,
+            flops=self.flops,
+            kinds=self.kinds,
+            gathered_bytes=self.gathered,
+        )
+
     def _new_id(self) -> int:
         i = self.next_id
         self.next_id += 1

@@ -30,7 +30,6 @@ from stage_dse.spec.serving import ServingSpec
 from stage_dse.trace.mesh import Mesh
 from stage_dse.trace.program import (
     Program,
-    StageTemplate,
     consumed_ops,
     emit_ops,
     op_numbers,
@@ -117,16 +116,7 @@ def write_serving_trace(
             elif pp > 1 and step < steps - 1:
                 name = f"send_tokens:step{step}"
                 prog.p2p(True, -(pp - 1), token_bytes, 2 * (step + 1) + 1, name, hop_tok)
-        templates.append(
-            StageTemplate(
-                stage=s,
-                pieces=prog.pieces,
-                nodes=prog.counts,
-                flops=prog.flops,
-                kinds=prog.kinds,
-                gathered_bytes=prog.gathered,
-            )
-        )
+        templates.append(prog.template(s))
     mesh = Mesh(plan)
     mesh.register(set().union(*(t.kinds for t in templates)))
     problems = check_templates(templates, mesh)

@@ -25,7 +25,7 @@ from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
 
-__all__ = ["korthikanti_table4", "narayanan_table1"]
+__all__ = ["GPT_22B", "korthikanti_table4", "narayanan_table1"]
 
 
 def _rows(name: str) -> list[dict[str, str]]:
@@ -75,15 +75,19 @@ def narayanan_table1(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> 
     return best.reset_index(drop=True)
 
 
+GPT_22B = ModelSpec(
+    name="gpt_22b",
+    num_layers=48,
+    hidden_size=6144,
+    ffn_hidden_size=4 * 6144,
+    num_heads=64,
+    vocab_size=51200,
+)
+"""The 22B GPT of Korthikanti et al. Table 4."""
+
+
 def korthikanti_table4(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> pd.DataFrame:
-    model = ModelSpec(
-        name="gpt_22b",
-        num_layers=48,
-        hidden_size=6144,
-        ffn_hidden_size=4 * 6144,
-        num_heads=64,
-        vocab_size=51200,
-    )
+    model = GPT_22B
     hw, cl = load_hardware(hardware), load_cluster(cluster, num_gpus=8)
     training = TrainingSpec(seq_len=2048, global_batch_size=4)
     refs = _rows("korthikanti_table4.csv")
