@@ -41,6 +41,14 @@ LOCK_NAME = ".writer.lock"
 QUARANTINE_DIR = "_quarantine"
 
 
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def new_run_id() -> str:
     """A run's id: its UTC start time, process id and a random tag, e.g.
     ``20261201T040512Z-4242-9f3c`` (sorts by start time)."""
@@ -92,12 +100,19 @@ class ResultStore:
                 f"results folder {self.root} is not writable ({exc.strerror}); choose another "
                 "results_dir or fix its permissions"
             ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-            log(f"{self.root} is being written by {holder}; waiting for it to finish")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        if not _try_lock(fd):
+            holder: str | None = ""
+            for _ in range(40):  # the holder writes who it is just after taking the lock
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+                if holder:
+                    break
+                if _try_lock(fd):
+                    holder = None  # it finished meanwhile
+                    break
+                time.sleep(0.025)
+            if holder is not None:
+                log(f"{self.root} is being written by {holder or 'another process'}; waiting")
+                fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
