@@ -101,10 +101,10 @@ def test_first_stage_holds_pp_microbatches_and_interleaving_factor():
     sbh = 2048 * 1024
     per_layer = sbh * (10 + 24 + 5 * 16 * 2048 / 1024) + 4 * 16 * 2048  # flash: + lse
     per_layer = sbh * 34 + 4 * 16 * 2048
-    assert plain["mem_activations"] == pytest.approx(4 * (2 * per_layer + sbh))
+    assert plain["mem_activations_bytes"] == pytest.approx(4 * (2 * per_layer + sbh))
     factor = 1 + (4 - 1) / (4 * 2)
-    assert inter["mem_activations"] == pytest.approx(factor * plain["mem_activations"])
-    assert layer["mem_activations"] == pytest.approx(8 * (per_layer + sbh))
+    assert inter["mem_activations_bytes"] == pytest.approx(factor * plain["mem_activations_bytes"])
+    assert layer["mem_activations_bytes"] == pytest.approx(8 * (per_layer + sbh))
 
 
 @pytest.mark.parametrize(
@@ -135,9 +135,9 @@ def test_zero_paper_example(stage, published_gb):
         TrainingSpec(seq_len=2048, global_batch_size=64),
         ParallelPlan(dp=64, zero_stage=stage),
     )
-    states = got["mem_weights"] + got["mem_grads"] + got["mem_optimizer"]
+    states = got["mem_weights_bytes"] + got["mem_grads_bytes"] + got["mem_optimizer_bytes"]
     # our model has 7.46e9 parameters, the paper rounds to 7.5e9
-    assert states / 1e9 == pytest.approx(published_gb * got["params_total"] / 7.5e9, rel=0.02)
+    assert states / 1e9 == pytest.approx(published_gb * got["params"] / 7.5e9, rel=0.02)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -150,7 +150,7 @@ def test_zero_communication_volume(stage):
     got = evaluate_plan(model, training, ParallelPlan(dp=8, zero_stage=stage))  # one micro-batch
     algo = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     volume = sum(algo[k] * got[f"comm_{k}_cp-ep-dp"] for k in algo if f"comm_{k}_cp-ep-dp" in got)
-    psi_bytes = 2 * got["params_total"]
+    psi_bytes = 2 * got["params"]
     expected = 3 * psi_bytes - 2 * got["params_embedding"] if stage == 3 else 2 * psi_bytes
     assert volume == pytest.approx(expected, rel=1e-12)
 

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from stage_dse.cost.columns import named_outputs
 from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
 from stage_dse.cost.derive import cost_key
 from stage_dse.errors import ConfigError
@@ -145,8 +146,10 @@ def evaluate_plan(
     hardware: HardwareSpec | None = None,
     cluster: ClusterSpec | None = None,
 ) -> dict[str, float]:
-    """Every cost of one validated plan as floats (``mem_total``, ``flops_model``,
-    ``time_step_s``, ``mfu``, ...). Without hardware and cluster, time outputs are NaN."""
+    """Every cost of one validated plan as floats, named as the result columns are
+    (``mem_total_bytes``, ``model_flops``, ``step_s``, ``mfu``, ``comm_dp_bytes``, ...), plus
+    the detail outputs that have no column (``comm_<kind>_<group>`` per communicator,
+    ``stage_*`` per pipeline stage). Without hardware and cluster, time outputs are NaN."""
     validate_plan(model, training, plan, num_gpus)
     values = bind(model, training, plan)
     if hardware is not None and cluster is not None:
@@ -157,5 +160,4 @@ def evaluate_plan(
         values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))
     family = compile_family(cost_key(model, plan, training))
     x = np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
-    y = family(x)[0]
-    return {n: float(v) for n, v in zip(family.names, y)}
+    return named_outputs(list(family.names), family(x)[0])

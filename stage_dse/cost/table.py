@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
+from stage_dse.cost.columns import cost_columns
 from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
 from stage_dse.cost.derive import CostKey
 from stage_dse.graph.transformer import GraphKey
@@ -44,6 +45,7 @@ __all__ = [
     "PlanColumns",
     "config_row",
     "evaluate_columns",
+    "evaluate_plans",
     "evaluate_table",
     "key_from_values",
     "model_columns",
@@ -296,6 +298,13 @@ def _evaluate_runs(x: np.ndarray, runs: list) -> tuple[list[str], np.ndarray]:
             else:
                 out[lo:hi, cols] = y
     return list(names), out
+
+
+def evaluate_plans(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with the costs of every row joined under the result columns' names
+    (``step_s``, ``mfu``, ``mem_total_bytes``, ``comm_dp_bytes``, ...), as a results folder
+    stores them and :func:`stage_dse.cost.bind.evaluate_plan` returns them."""
+    return table.join(cost_columns(evaluate_table(table)))
 
 
 def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:

@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import ScalarFormatter
 
 from stage_dse.results.analysis import best_per, load, pareto
 
@@ -62,9 +63,12 @@ def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]
             front["step_s"],
             color=color,
             marker="o",
+            drawstyle="steps-post",  # a front is a staircase: no plan lies on its risers
             label=f"Pareto front: {label(key)}",
         )
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("memory per GPU (GiB)")
     ax.set_ylabel("step time (s)")
     ax.set_title("Step time vs memory")

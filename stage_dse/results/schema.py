@@ -14,8 +14,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from stage_dse.cost.columns import (
+    COMM_COLUMNS,
+    COST_COLUMNS,
+    SERVING_COLUMNS,
+    cost_columns,
+)
 from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
-from stage_dse.cost.derive import EMBEDDING_GROUP
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 from stage_dse.spec.stages import STAGE_SYMBOLS
 
@@ -53,63 +58,6 @@ CONFIG_COLUMNS: tuple[str, ...] = tuple(
     dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS, *PLAN_LABEL_COLUMNS))
 )
 """Everything that identifies a configuration (hashed into ``config_hash``)."""
-
-# cost output name -> result column
-COST_COLUMNS: dict[str, str] = {
-    "params_total": "params",
-    "params_active": "params_active",
-    "mem_weights": "mem_weights_bytes",
-    "mem_grads": "mem_grads_bytes",
-    "mem_optimizer": "mem_optimizer_bytes",
-    "mem_activations": "mem_activations_bytes",
-    "mem_recompute_working": "mem_recompute_working_bytes",
-    "mem_total": "mem_total_bytes",
-    "mem_headroom_bytes": "mem_headroom_bytes",
-    "mem_stage": "mem_stage",
-    "flops_model": "model_flops",
-    "flops_model_causal": "model_flops_causal",
-    "flops_matmul": "matmul_flops",
-    "flops_recompute": "recompute_flops",
-    "flops_hardware": "hardware_flops",
-    "time_step_s": "step_s",
-    "time_compute_s": "compute_s",
-    "time_tp_comm_s": "tp_comm_s",
-    "time_ep_comm_s": "ep_comm_s",
-    "time_cp_comm_s": "cp_comm_s",
-    "time_zero_comm_s": "zero_comm_s",
-    "time_pp_comm_s": "pp_comm_s",
-    "time_bubble_s": "bubble_s",
-    "time_dp_comm_s": "dp_comm_s",
-    "time_optimizer_s": "optimizer_s",
-    "tokens_per_s": "tokens_per_s",
-    "mfu": "mfu",
-    "mfu_causal": "mfu_causal",
-    "hfu": "hfu",
-    "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
-}
-SERVING_COLUMNS: dict[str, str] = {
-    "serve_ttft_s": "ttft_s",
-    "serve_tpot_s": "tpot_s",
-    "serve_tokens_per_s_per_gpu": "decode_tokens_per_s_per_gpu",
-    "serve_weights_bytes": "serve_weights_bytes",
-    "serve_kv_bytes_per_token": "kv_bytes_per_token",
-    "serve_kv_cache_bytes": "kv_cache_bytes",
-    "serve_working_bytes": "serve_working_bytes",
-    "serve_mem_total_bytes": "serve_mem_total_bytes",
-    "serve_mem_headroom_bytes": "serve_mem_headroom_bytes",
-    "serve_kv_capacity_seqs": "kv_capacity_seqs",
-    "serve_decode_memory_s": "decode_memory_s",
-    "serve_decode_compute_s": "decode_compute_s",
-    "serve_weight_read_s": "weight_read_s",
-}
-"""Serving outputs (rows with ``workload == "serving"``; null for training rows)."""
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-COMM_AXES = ("tp", "cp", "ep", "dp", "pp")
-COMM_COLUMNS = (
-    *(f"comm_{k}_bytes" for k in COMM_KINDS),
-    *(f"comm_{a}_bytes" for a in COMM_AXES),
-    "comm_total_bytes",
-)
 
 STRING_CONFIG = {
     "workload", "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
@@ -154,50 +102,6 @@ RESULT_SCHEMA = pa.schema(
     metadata={HASH_SCHEME_KEY: HASH_SCHEME.encode(), MODEL_DIGEST_KEY: model_digest().encode()},
 )
 """Arrow schema of every part file of a results dataset."""
-
-
-def _axis_of(group_label: str) -> str:
-    """The parallel axis a communicator group serves: data groups (dp, cp-ep-dp) count as dp."""
-    if group_label == EMBEDDING_GROUP:  # first and last stage of each pipeline
-        return "pp"
-    parts = group_label.split("-")
-    if "dp" in parts:
-        return "dp"
-    if "ep" in parts:
-        return "ep"
-    if "pp" in parts:
-        return "pp"
-    if "tp" in parts:
-        return "tp"
-    return parts[0]
-
-
-def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
-    """Result cost columns from the evaluator's output ``names`` and ``(rows, names)`` matrix:
-    renamed outputs, and communication summed by collective kind and by parallel axis."""
-    by_column = np.ascontiguousarray(out.T)  # one contiguous row per output
-    where = {n: i for i, n in enumerate(names)}
-    nan = np.full(len(out), np.nan)
-    cols = {d: by_column[where[s]] if s in where else nan for s, d in COST_COLUMNS.items()}
-    sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
-    for i, name in enumerate(names):
-        if not name.startswith("comm_") or name == "comm_total":
-            continue
-        body = name[len("comm_") :]
-        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
-        sums[f"comm_{kind}_bytes"].append(i)
-        sums[f"comm_{_axis_of(body[len(kind) + 1 :])}_bytes"].append(i)
-    for dst, rows in sums.items():
-        cols[dst] = by_column[rows].sum(axis=0) if rows else np.zeros(len(out))
-    total = where.get("comm_total")
-    cols["comm_total_bytes"] = by_column[total] if total is not None else np.zeros(len(out))
-    return cols
-
-
-def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
-    """Result cost columns from the evaluator's output columns."""
-    arrays = cost_arrays(list(costs.columns), costs.to_numpy(dtype=np.float64))
-    return pd.DataFrame(arrays, index=costs.index)
 
 
 _HEX = np.array([f"{i:02x}".encode() for i in range(256)], dtype="S2")

@@ -17,15 +17,13 @@ import pandas as pd
 import pyarrow as pa
 
 from stage_dse import __version__
+from stage_dse.cost.columns import SERVING_COLUMNS, cost_arrays, cost_columns
 from stage_dse.cost.table import PlanColumns, evaluate_columns, evaluate_table
 from stage_dse.results.schema import (
     CONFIG_COLUMNS,
     RESULT_SCHEMA,
-    SERVING_COLUMNS,
     config_hash,
     config_hash_u64,
-    cost_arrays,
-    cost_columns,
     hex_hashes,
 )
 from stage_dse.results.store import encode_part

@@ -105,6 +105,11 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, **kwargs)
             else:
+                # an embedded Ray keeps Ray's default (token authentication on) without
+                # printing, on every run, Ray's warning that this default is in force
+                logging.getLogger(
+                    "ray._private.authentication.authentication_token_setup"
+                ).setLevel(logging.ERROR)
                 ray.init(
                     num_cpus=self._num_cpus_wanted or os.cpu_count() or 1,
                     include_dashboard=False,

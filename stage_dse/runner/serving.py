@@ -17,10 +17,11 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
+from stage_dse.cost.columns import SERVING_COLUMNS
 from stage_dse.cost.serving import evaluate_serving_table, serving_key
 from stage_dse.cost.table import config_row
 from stage_dse.errors import ConfigError
-from stage_dse.results.schema import SERVING_COLUMNS, config_hash
+from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport

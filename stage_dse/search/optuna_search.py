@@ -136,6 +136,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
     storage = JournalStorage(JournalFileBackend(str(journal)))
     directions = ["minimize"] * len(objectives)
     sampler_kind = search.sampler if len(objectives) == 1 else "nsga2"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # before the study's "created" line
     study = optuna.create_study(
         storage=storage,
         study_name=spec.name,
@@ -143,7 +144,6 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         directions=directions,
         load_if_exists=True,
     )
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     # trials a killed run left RUNNING are failed and not counted toward n_trials
     abandoned = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -172,7 +172,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         trials = [study.ask() for _ in range(k)]
         valid_rows, valid_trials, bad_rows, bad_reasons = [], [], [], []
         for trial in trials:
-            p = {name: trial.suggest_categorical(name, values) for name, values in axes.items()}
+            p = _suggest(trial, axes, model, spec.training)
             hw = hardware[p["hardware"]]
             if "hbm_gib" in p:
                 hw = hw.replace(hbm_bytes=p["hbm_gib"] * GIB, name=f"{hw.name}@{p['hbm_gib']:g}GiB")
@@ -281,6 +281,55 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
     report.seconds = time.perf_counter() - t0
     report.valid = report.evaluated
     return report
+
+
+def _suggest(trial, axes: dict[str, list], model, training) -> dict:
+    """One trial's choices. The axes whose valid values depend on earlier choices are sampled
+    under a name that carries what they depend on, so every choice offered is valid: the
+    (tp, pp, cp) layout under the GPU count (``tp_pp_cp@64``: tp*pp*cp divides it), the
+    micro-batch under the data-parallel degree (``micro_batch_size@dp16``: dp*micro_batch
+    divides the global batch), virtual stages under pp (only pp > 1 interleaves), sequence
+    parallelism only when tp > 1. TPE and NSGA-II treat such conditional names as they treat
+    any conditional parameter; an axis with no valid value is sampled unconditioned and the
+    plan is refused with the rule's reason."""
+    plain = ("num_gpus", "tp", "pp", "cp", "micro_batch_size", "sequence_parallel")
+    p = {n: trial.suggest_categorical(n, v) for n, v in axes.items() if n not in plain}
+    p.pop("virtual_stages")
+    g = p["num_gpus"] = trial.suggest_categorical("num_gpus", axes["num_gpus"])
+    layouts = [
+        f"{t}-{q}-{c}"
+        for t in axes["tp"]
+        for q in axes["pp"]
+        for c in axes["cp"]
+        if g % (t * q * c) == 0 and (t > 1 or False in axes["sequence_parallel"])
+    ]
+    if layouts:
+        t, q, c = map(int, trial.suggest_categorical(f"tp_pp_cp@{g}", layouts).split("-"))
+    else:
+        t, q, c = (trial.suggest_categorical(n, axes[n]) for n in ("tp", "pp", "cp"))
+    p.update(tp=t, pp=q, cp=c)
+    dp = max(1, g // (t * q * c))
+    batch = training.global_batch_size
+    mbs = [b for b in axes["micro_batch_size"] if batch % (dp * b) == 0]
+    p["micro_batch_size"] = (
+        trial.suggest_categorical(f"micro_batch_size@dp{dp}", mbs)
+        if mbs
+        else trial.suggest_categorical("micro_batch_size", axes["micro_batch_size"])
+    )
+    sp = [x for x in axes["sequence_parallel"] if t > 1 or not x]
+    p["sequence_parallel"] = (
+        trial.suggest_categorical("sequence_parallel", axes["sequence_parallel"])
+        if t > 1 or not sp
+        else False
+    )
+    chunks = [v for v in axes["virtual_stages"] if v == 1 or q > 1]
+    chunks = [v for v in chunks if v == 1 or model.num_layers % (q * v) == 0] or chunks
+    p["virtual_stages"] = (
+        trial.suggest_categorical(f"virtual_stages@pp{q}", chunks)
+        if len(chunks) > 1
+        else (chunks or axes["virtual_stages"])[0]
+    )
+    return p
 
 
 def _stage_values_or_zero(model, p: dict) -> dict[str, int]:

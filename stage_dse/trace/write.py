@@ -241,7 +241,7 @@ def write_trace_set(
         "cost_step_s": float(
             evaluate_plan(
                 cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
-            )["time_step_s"]
+            )["step_s"]
         ),
         "pp_stride": pp_stride,
         "warnings": warnings,

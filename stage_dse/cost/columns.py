@@ -1,0 +1,139 @@
+"""How the evaluator's outputs are named as result columns (no I/O, no pyarrow).
+
+The compiled cost families name their outputs after the symbolic model (``mem_total``,
+``time_step_s``, one ``comm_<kind>_<group>`` per communicator); a result row and
+:func:`stage_dse.cost.bind.evaluate_plan` use the names below instead, with units in them
+(``mem_total_bytes``, ``step_s``), and sum communication by collective kind and by parallel axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from stage_dse.cost.derive import EMBEDDING_GROUP
+
+__all__ = [
+    "COMM_COLUMNS",
+    "COST_COLUMNS",
+    "SERVING_COLUMNS",
+    "cost_arrays",
+    "cost_columns",
+    "named_outputs",
+]
+
+# cost output name -> result column
+COST_COLUMNS: dict[str, str] = {
+    "params_total": "params",
+    "params_active": "params_active",
+    "mem_weights": "mem_weights_bytes",
+    "mem_grads": "mem_grads_bytes",
+    "mem_optimizer": "mem_optimizer_bytes",
+    "mem_activations": "mem_activations_bytes",
+    "mem_recompute_working": "mem_recompute_working_bytes",
+    "mem_total": "mem_total_bytes",
+    "mem_headroom_bytes": "mem_headroom_bytes",
+    "mem_stage": "mem_stage",
+    "flops_model": "model_flops",
+    "flops_model_causal": "model_flops_causal",
+    "flops_matmul": "matmul_flops",
+    "flops_recompute": "recompute_flops",
+    "flops_hardware": "hardware_flops",
+    "time_step_s": "step_s",
+    "time_compute_s": "compute_s",
+    "time_tp_comm_s": "tp_comm_s",
+    "time_ep_comm_s": "ep_comm_s",
+    "time_cp_comm_s": "cp_comm_s",
+    "time_zero_comm_s": "zero_comm_s",
+    "time_pp_comm_s": "pp_comm_s",
+    "time_bubble_s": "bubble_s",
+    "time_dp_comm_s": "dp_comm_s",
+    "time_optimizer_s": "optimizer_s",
+    "tokens_per_s": "tokens_per_s",
+    "mfu": "mfu",
+    "mfu_causal": "mfu_causal",
+    "hfu": "hfu",
+    "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
+}
+SERVING_COLUMNS: dict[str, str] = {
+    "serve_ttft_s": "ttft_s",
+    "serve_tpot_s": "tpot_s",
+    "serve_tokens_per_s_per_gpu": "decode_tokens_per_s_per_gpu",
+    "serve_weights_bytes": "serve_weights_bytes",
+    "serve_kv_bytes_per_token": "kv_bytes_per_token",
+    "serve_kv_cache_bytes": "kv_cache_bytes",
+    "serve_working_bytes": "serve_working_bytes",
+    "serve_mem_total_bytes": "serve_mem_total_bytes",
+    "serve_mem_headroom_bytes": "serve_mem_headroom_bytes",
+    "serve_kv_capacity_seqs": "kv_capacity_seqs",
+    "serve_decode_memory_s": "decode_memory_s",
+    "serve_decode_compute_s": "decode_compute_s",
+    "serve_weight_read_s": "weight_read_s",
+}
+"""Serving outputs (rows with ``workload == "serving"``; null for training rows)."""
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COMM_AXES = ("tp", "cp", "ep", "dp", "pp")
+COMM_COLUMNS = (
+    *(f"comm_{k}_bytes" for k in COMM_KINDS),
+    *(f"comm_{a}_bytes" for a in COMM_AXES),
+    "comm_total_bytes",
+)
+
+
+def _axis_of(group_label: str) -> str:
+    """The parallel axis a communicator group serves: data groups (dp, cp-ep-dp) count as dp."""
+    if group_label == EMBEDDING_GROUP:  # first and last stage of each pipeline
+        return "pp"
+    parts = group_label.split("-")
+    if "dp" in parts:
+        return "dp"
+    if "ep" in parts:
+        return "ep"
+    if "pp" in parts:
+        return "pp"
+    if "tp" in parts:
+        return "tp"
+    return parts[0]
+
+
+def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
+    """Result cost columns from the evaluator's output ``names`` and ``(rows, names)`` matrix:
+    renamed outputs, and communication summed by collective kind and by parallel axis."""
+    by_column = np.ascontiguousarray(out.T)  # one contiguous row per output
+    where = {n: i for i, n in enumerate(names)}
+    nan = np.full(len(out), np.nan)
+    cols = {d: by_column[where[s]] if s in where else nan for s, d in COST_COLUMNS.items()}
+    sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
+    for i, name in enumerate(names):
+        if not name.startswith("comm_") or name == "comm_total":
+            continue
+        body = name[len("comm_") :]
+        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
+        sums[f"comm_{kind}_bytes"].append(i)
+        sums[f"comm_{_axis_of(body[len(kind) + 1 :])}_bytes"].append(i)
+    for dst, rows in sums.items():
+        cols[dst] = by_column[rows].sum(axis=0) if rows else np.zeros(len(out))
+    total = where.get("comm_total")
+    cols["comm_total_bytes"] = by_column[total] if total is not None else np.zeros(len(out))
+    return cols
+
+
+def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
+    """Result cost columns from the evaluator's output columns."""
+    arrays = cost_arrays(list(costs.columns), costs.to_numpy(dtype=np.float64))
+    return pd.DataFrame(arrays, index=costs.index)
+
+
+def named_outputs(names: list[str], values: np.ndarray) -> dict[str, float]:
+    """One evaluated row as ``{name: float}``: every output that is a result column under the
+    column's name, communication summed into the ``comm_*_bytes`` columns, and the remaining
+    detail outputs (per-communicator bytes, per-stage figures) under their own names."""
+    row = np.asarray(values, dtype=np.float64).reshape(1, -1)
+    named = {k: float(v[0]) for k, v in cost_arrays(names, row).items()}
+    renamed = set(COST_COLUMNS) | set(SERVING_COLUMNS) | {"comm_total"}
+    for name, value in zip(names, row[0]):
+        if name in SERVING_COLUMNS:
+            named[SERVING_COLUMNS[name]] = float(value)
+        elif name not in renamed and name not in named:
+            named[name] = float(value)
+    return named
