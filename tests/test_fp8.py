@@ -39,9 +39,9 @@ def test_fp8_caches_exactly_the_inputs_only_linear_layers_keep(attention, per_la
         g: evaluate_plan(gpt(layers=L_, hidden=H_, heads=16), training(g), plan)
         for g in ("bf16", "fp8")
     }
-    saved = got["bf16"]["mem_activations"] - got["fp8"]["mem_activations"]
+    saved = got["bf16"]["mem_activations_bytes"] - got["fp8"]["mem_activations_bytes"]
     assert saved == (per_layer * L_ + 1) * S_ * B_ * H_
-    for k in ("params_total", "flops_model", "mem_weights", "mem_optimizer"):
+    for k in ("params", "model_flops", "mem_weights_bytes", "mem_optimizer_bytes"):
         assert got["bf16"][k] == got["fp8"][k]
 
 
@@ -121,5 +121,5 @@ def test_mfu_is_measured_against_the_peak_of_the_gemm_precision():
     model, plan = gpt(layers=4, hidden=2048, heads=16), ParallelPlan(dp=8)
     t = TrainingSpec(seq_len=2048, global_batch_size=64, gemm_dtype="fp8")
     r = evaluate_plan(model, t, plan, hardware=H100, cluster=load_cluster("dgx_h100", num_gpus=8))
-    per_gpu = r["flops_model"] / (r["time_step_s"] * 8)
+    per_gpu = r["model_flops"] / (r["step_s"] * 8)
     assert r["mfu"] == pytest.approx(per_gpu / H100.peak_fp8_flops, rel=1e-12)

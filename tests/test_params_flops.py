@@ -47,7 +47,7 @@ def test_gpt_parameters_equal_eq2_symbolically():
 def test_table1_parameter_counts(preset, published_b):
     model = load_model(preset)
     training = TrainingSpec(seq_len=2048, global_batch_size=8)
-    got = evaluate_plan(model, training, ParallelPlan())["params_total"]
+    got = evaluate_plan(model, training, ParallelPlan())["params"]
     expected = float(eq2(model.num_layers, model.hidden_size, model.vocab_size, 2048))
     assert got == pytest.approx(expected + 2 * model.hidden_size, rel=1e-12)
     assert got == pytest.approx(expected, rel=1e-5)
@@ -63,7 +63,7 @@ def test_llama3_parameter_counts(preset, published):
     got = evaluate_plan(
         load_model(preset), TrainingSpec(seq_len=8192, global_batch_size=8), ParallelPlan()
     )
-    assert got["params_total"] == pytest.approx(published, rel=1e-3)
+    assert got["params"] == pytest.approx(published, rel=1e-3)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

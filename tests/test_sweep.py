@@ -333,7 +333,7 @@ def test_at_least_three_named_sweeps():
         (["num_gpus=[-8]"], "num_gpus values must be integers > 0, got -8"),
         (["cluster.num_gpus=abc"], "cluster.num_gpus=abc"),
         (["hardware.hbm_tb_s=0"], "hardware.hbm_tb_s must be > 0"),
-        (["runner.kind=slurm"], "runner.kind='slurm' is not one of: local, ray"),
+        (["runner.kind=slurm"], "runner.kind='slurm' is not one of: auto, local, ray"),
         (["+plan.tpp=[2]"], "plan.tpp is not a plan option (known: tp, pp, cp"),
         (["+foo=1"], "foo is not an option (top-level options: budget"),
     ],

@@ -67,6 +67,8 @@ def _print_outcomes(store, df, report, rejected_title: str) -> None:
         f"\nresults: {store.root} ({len(df):,} rows; this run, {report.run_id}, evaluated "
         f"{report.evaluated:,} in {report.seconds:.1f} s)"
     )
+    if report.runner:
+        print(f"runner: {report.runner}")
     if report.status:
         print("outcomes of this run:")
         print(_fmt_counter(report.status))
@@ -240,7 +242,8 @@ main options:
   workload=training|serving   serving sweeps use serving.* (tp, pp, batch_size, prompt_len)
   mode=sweep|budget           budget: budget.memory_gib, budget.max_gpus, budget.rank_by
   search=grid|optuna          optuna: search.n_trials, search.objectives=[step_s,num_gpus]
-  runner=ray|local            runner.address=HOST:PORT joins a Ray cluster
+  runner=auto|local|ray       auto: in-process below 300,000 plans, else Ray
+  runner.address=HOST:PORT    evaluate on an existing Ray cluster
   sweep_name=NAME results_dir=DIR top_k=10 replace_stale=true
 
   -m                          one job per comma-separated value (validated before any runs)

@@ -165,7 +165,7 @@ class SearchConf:
 
 @dataclass
 class RunnerConf:
-    kind: str = "ray"
+    kind: str = "auto"
     address: str | None = None
     """None: start an embedded local Ray; "auto" or "ray://host:port": join a cluster."""
     num_cpus: int | None = None

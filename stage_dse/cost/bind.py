@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from stage_dse.cost.columns import named_outputs
-from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
+from stage_dse.cost.compile import SYMBOL_NAMES, family_for
 from stage_dse.cost.derive import cost_key
 from stage_dse.errors import ConfigError
 from stage_dse.graph.symbols import HARDWARE_SYMBOLS
@@ -158,6 +158,6 @@ def evaluate_plan(
         values.update(bind_hardware(hardware, cluster))
     else:
         values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))
-    family = compile_family(cost_key(model, plan, training))
+    family = family_for(cost_key(model, plan, training))
     x = np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
     return named_outputs(list(family.names), family(x)[0])

@@ -8,6 +8,9 @@ The compiled cost families name their outputs after the symbolic model (``mem_to
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import numpy as np
 import pandas as pd
 
@@ -103,6 +106,8 @@ def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
     where = {n: i for i, n in enumerate(names)}
     nan = np.full(len(out), np.nan)
     cols = {d: by_column[where[s]] if s in where else nan for s, d in COST_COLUMNS.items()}
+    if "params_active" not in where and "params_total" in where:  # dense: every weight is active
+        cols["params_active"] = cols["params"]
     sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
     for i, name in enumerate(names):
         if not name.startswith("comm_") or name == "comm_total":
@@ -128,12 +133,35 @@ def named_outputs(names: list[str], values: np.ndarray) -> dict[str, float]:
     """One evaluated row as ``{name: float}``: every output that is a result column under the
     column's name, communication summed into the ``comm_*_bytes`` columns, and the remaining
     detail outputs (per-communicator bytes, per-stage figures) under their own names."""
-    row = np.asarray(values, dtype=np.float64).reshape(1, -1)
-    named = {k: float(v[0]) for k, v in cost_arrays(names, row).items()}
-    renamed = set(COST_COLUMNS) | set(SERVING_COLUMNS) | {"comm_total"}
-    for name, value in zip(names, row[0]):
-        if name in SERVING_COLUMNS:
-            named[SERVING_COLUMNS[name]] = float(value)
-        elif name not in renamed and name not in named:
-            named[name] = float(value)
+    renamed, sums, extra = _row_layout(tuple(names))
+    v = np.asarray(values, dtype=np.float64).reshape(-1).tolist()
+    named = {column: (v[i] if i >= 0 else math.nan) for i, column in renamed}
+    for column, rows in sums:
+        named[column] = float(sum(v[i] for i in rows))
+    for i, name in extra:
+        named[name] = v[i]
     return named
+
+
+@lru_cache(maxsize=256)
+def _row_layout(names: tuple[str, ...]):
+    """Where each named value of one row comes from (the single-row form of
+    :func:`cost_arrays`): renamed outputs, summed communication, other outputs."""
+    where = {n: i for i, n in enumerate(names)}
+    renamed = [(where.get(s, -1), d) for s, d in COST_COLUMNS.items()]  # NaN when absent
+    renamed += [(where[s], d) for s, d in SERVING_COLUMNS.items() if s in where]
+    if "params_active" not in where and "params_total" in where:  # dense: all weights active
+        renamed.append((where["params_total"], "params_active"))
+    sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
+    for i, name in enumerate(names):
+        if not name.startswith("comm_") or name == "comm_total":
+            continue
+        body = name[len("comm_") :]
+        kind = next(k for k in COMM_KINDS if body.startswith(k + "_"))
+        sums[f"comm_{kind}_bytes"].append(i)
+        sums[f"comm_{_axis_of(body[len(kind) + 1 :])}_bytes"].append(i)
+    if "comm_total" in where:
+        sums["comm_total_bytes"] = [where["comm_total"]]
+    known = {*COST_COLUMNS, *SERVING_COLUMNS, "comm_total"}
+    extra = [(i, n) for i, n in enumerate(names) if n not in known and n not in sums]
+    return renamed, list(sums.items()), extra

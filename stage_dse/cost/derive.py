@@ -366,6 +366,14 @@ class TrainingCosts:
         return out
 
 
+def _heaviest(totals: list[sp.Expr], i: int) -> sp.Boolean:
+    """``totals[i]`` is at least every later total: one unevaluated relation against their
+    maximum (sympy's And of relations canonicalised these large expressions at a cost of
+    most of a family's derivation, and simplified nothing)."""
+    later = totals[i + 1 :]
+    return sp.Ge(totals[i], later[0] if len(later) == 1 else _max(*later), evaluate=False)
+
+
 def derive(key: CostKey) -> TrainingCosts:
     """All cost expressions of a model family under one plan structure (cached)."""
     # memory, flops and bytes do not depend on rank order or overlap: share one derivation
@@ -511,18 +519,18 @@ def _derive(key: CostKey) -> TrainingCosts:
     for k in candidates[0][2]:
         pieces = []
         for i, (_, _, parts) in enumerate(candidates[:-1]):
-            heaviest = sp.And(*[sp.Ge(totals[i], totals[j]) for j in range(i + 1, len(totals))])
+            heaviest = _heaviest(totals, i)
             pieces.append((parts[k], heaviest))
         pieces.append((candidates[-1][2][k], True))
-        memory[k] = sp.Piecewise(*pieces)
+        memory[k] = sp.Piecewise(*pieces, evaluate=False)
     memory["total"] = _max(*totals)
     heaviest_stage = []
     for i, (index, _, _) in enumerate(candidates[:-1]):
-        heaviest = sp.And(*[sp.Ge(totals[i], totals[j]) for j in range(i + 1, len(totals))])
+        heaviest = _heaviest(totals, i)
         heaviest_stage.append((index, heaviest))
     heaviest_stage.append((candidates[-1][0], True))
     # the index of the pipeline stage whose memory is reported (the heaviest)
-    memory["stage"] = sp.Piecewise(*heaviest_stage)
+    memory["stage"] = sp.Piecewise(*heaviest_stage, evaluate=False)
     memory["first_stage_total"] = totals[0]
     memory["last_stage_total"] = _sum(candidates[1][2].values())
 

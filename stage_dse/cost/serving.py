@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import sympy as sp
 
-from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _wrap
+from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
 from stage_dse.cost.time import _compute_time, collective_time
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, OpKind, Phase, Role
@@ -195,7 +195,7 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
 def _compiled(key: ServingKey):
     outputs = serving_program(key)
     names = tuple(outputs)
-    fn = _lambdify_symengine([], [outputs[n] for n in names])
+    fn = _lambdify_symengine(_to_symengine([], [outputs[n] for n in names]))
     return names, _wrap(fn, len(names))
 
 

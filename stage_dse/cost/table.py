@@ -20,7 +20,7 @@ import pandas as pd
 
 from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
 from stage_dse.cost.columns import cost_columns
-from stage_dse.cost.compile import SYMBOL_NAMES, compile_family
+from stage_dse.cost.compile import SYMBOL_NAMES, family_for
 from stage_dse.cost.derive import CostKey
 from stage_dse.graph.transformer import GraphKey
 from stage_dse.spec import (
@@ -274,7 +274,7 @@ def evaluate_columns(plans: PlanColumns, subset: str = "all") -> tuple[list[str]
     if len(plans) == 0:
         return [], np.zeros((0, 0))
     runs = [
-        (compile_family(key_from_values(v), None, subset), a, b) for v, a, b in plans.family_runs()
+        (family_for(key_from_values(v), subset, b - a), a, b) for v, a, b in plans.family_runs()
     ]
     return _evaluate_runs(plans.symbol_matrix(), runs)
 
@@ -340,7 +340,7 @@ def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
     for a, b in zip(starts, ends):
         row = a if order is None else order[a]
         values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
-        families.append((compile_family(key_from_values(values), None, subset), a, b))
+        families.append((family_for(key_from_values(values), subset, b - a), a, b))
     names, out = _evaluate_runs(x, families)
     if order is not None:
         unsorted = np.empty_like(out)

@@ -174,10 +174,18 @@ def collective_time(
     kind: CollKind, group: Iterable[MeshAxis], size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
 ) -> sp.Expr:
     """Seconds for one collective with a buffer of ``size_bytes`` per GPU (see module doc)."""
-    group = frozenset(group)
+    return _collective_time(kind, frozenset(group), sp.sympify(size_bytes), tuple(rank_order))
+
+
+@lru_cache(maxsize=4096)
+def _collective_time(
+    kind: CollKind, group: frozenset, size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+) -> sp.Expr:
+    # memoized: plan families share most of their collectives (same graph, other ZeRO stage
+    # or recompute mode), and building these expressions is most of a family's derivation
     n_in, n_out, span = group_tiers(group, rank_order)
     bw_in = S.intra_bandwidth * S.intra_efficiency
-    pod = sp.Piecewise((S.oversubscription, span > S.pod_gpus), (1, True))
+    pod = sp.Piecewise((S.oversubscription, sp.Gt(span, S.pod_gpus, evaluate=False)), (1, True))
     bw_out = S.inter_bandwidth * S.inter_efficiency / pod
     a_in, a_out = S.intra_latency, S.inter_latency
     if kind is CollKind.SEND_RECV:
@@ -210,8 +218,11 @@ def collective_time(
     # inside one domain, small buffers go one-shot: each GPU reads its n - 1 peers' buffers
     # over NVLink and reduces locally (TensorRT-LLM / vLLM custom all-reduce)
     oneshot = S.oneshot_latency + (n_in - 1) * size_bytes / bw_in
-    in_domain = sp.And(n_out < sp.Rational(3, 2), S.oneshot_latency > 0)
-    return sp.Piecewise((_min(best, oneshot), in_domain), (best, True))
+    in_domain = sp.Lt(n_out, sp.Rational(3, 2), evaluate=False)
+    has_oneshot = sp.Gt(S.oneshot_latency, 0, evaluate=False)
+    return sp.Piecewise(
+        (sp.Piecewise((_min(best, oneshot), has_oneshot), (best, True)), in_domain), (best, True)
+    )
 
 
 def pipeline_hop_time(boundary_bytes: sp.Expr, key: CostKey) -> sp.Expr:

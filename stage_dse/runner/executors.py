@@ -2,10 +2,11 @@
 
 ``LocalExecutor`` runs tasks in this process (debugging, small runs, tests). ``RayExecutor``
 runs each task as one Ray task: an embedded local Ray sized to this machine when no address is
-given, or an existing cluster (``address="auto"``, ``"ray://host:port"``). Ray retries a task
-whose worker died; a task that still fails comes back as the exception, and the driver records
-its rows as ``error`` rows with the exception text. Nothing else schedules work across
-machines.
+given, or an existing cluster (``address="auto"``, ``"ray://host:port"``). ``AutoExecutor``
+(the default) picks one of the two per run from the number of plans left to evaluate. Ray
+retries a task whose worker died; a task that still fails comes back as the exception, and the
+driver records its rows as ``error`` rows with the exception text. Nothing else schedules work
+across machines.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ from typing import Any, Protocol
 from stage_dse.cost.compile import compile_family
 from stage_dse.cost.derive import CostKey
 
-__all__ = ["Executor", "LocalExecutor", "RayExecutor", "make_executor"]
+__all__ = ["AutoExecutor", "Executor", "LocalExecutor", "RayExecutor", "make_executor"]
 
 Task = tuple[int, tuple]
 
 
 class Executor(Protocol):
     name: str
+
+    def choose(self, plans: int) -> str: ...
+
+    def start(self) -> str: ...
 
     def compile(self, keys: Iterable[CostKey]) -> None: ...
 
@@ -41,9 +46,15 @@ class LocalExecutor:
 
     name = "local"
 
+    def choose(self, plans: int) -> str:
+        return "local (runner=local)"
+
+    def start(self) -> str:
+        return ""
+
     def compile(self, keys: Iterable[CostKey]) -> None:
-        for key in keys:
-            compile_family(key)
+        """Nothing ahead of time: each family is built when its first rows arrive, interpreted
+        or compiled by its number of rows (:func:`stage_dse.cost.compile.family_for`)."""
 
     def share(self, obj: Any) -> Any:
         return obj
@@ -149,6 +160,15 @@ class RayExecutor:
             self._remote[fn] = self._ray.remote(max_retries=self.max_retries)(fn)
         return self._remote[fn]
 
+    def choose(self, plans: int) -> str:
+        where = f"the Ray cluster at {self.address}" if self.address else "an embedded Ray"
+        return f"ray ({where})"
+
+    def start(self) -> str:
+        """Start or join Ray now (otherwise on first use); what was started."""
+        self._ensure()
+        return f"Ray with {self._num_cpus} CPUs" + (f" at {self.address}" if self.address else "")
+
     def compile(self, keys: Iterable[CostKey]) -> None:
         """Synthesize and compile families in parallel; each worker then loads them from the
         disk cache instead of deriving them again."""
@@ -197,11 +217,68 @@ class RayExecutor:
             self._ray.shutdown()
 
 
+AUTO_RAY_MIN_PLANS = 300_000
+"""``runner=auto`` evaluates in this process below this many plans. Measured on this project's
+2-core reference machine: an embedded Ray costs 5-10 s of wall time before its first result
+(start, worker imports), while one process evaluates and writes 100,000-200,000 plans per
+second of a sweep once its families are built; Ray's second core pays back its start only from
+a few hundred thousand plans (``benchmarks/bench_cold.py``, ``benchmarks/bench_sweep.py``)."""
+
+
+class AutoExecutor:
+    """In this process for small runs, Ray for large ones or when a cluster address is given;
+    :meth:`choose` decides once per run, before anything is evaluated, and says why."""
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
+        self.address = address
+        self._num_cpus = num_cpus
+        self._inner: LocalExecutor | RayExecutor | None = None
+        self.name = "auto"
+
+    def choose(self, plans: int) -> str:
+        if self.address:
+            self._inner = RayExecutor(address=self.address, num_cpus=self._num_cpus)
+            why = f"runner.address={self.address} given"
+        elif plans >= AUTO_RAY_MIN_PLANS:
+            self._inner = RayExecutor(num_cpus=self._num_cpus)
+            why = f"{plans:,} plans >= {AUTO_RAY_MIN_PLANS:,}: worth starting Ray"
+        else:
+            self._inner = LocalExecutor()
+            why = f"{plans:,} plans < {AUTO_RAY_MIN_PLANS:,}: faster than starting Ray"
+        self.name = self._inner.name
+        return f"{self._inner.choose(plans).split(' (')[0]} (runner=auto: {why})"
+
+    @property
+    def inner(self) -> LocalExecutor | RayExecutor:
+        if self._inner is None:
+            self.choose(0)
+        assert self._inner is not None
+        return self._inner
+
+    def start(self) -> str:
+        return self.inner.start()
+
+    def compile(self, keys: Iterable[CostKey]) -> None:
+        self.inner.compile(keys)
+
+    def share(self, obj: Any) -> Any:
+        return self.inner.share(obj)
+
+    def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]:
+        return self.inner.map(fn, tasks)
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+
 def make_executor(kind: str, address: str | None = None, num_cpus: int | None = None) -> Executor:
     if kind == "local":
         return LocalExecutor()
     if kind == "ray":
         return RayExecutor(address=address or None, num_cpus=num_cpus)
+    if kind == "auto":
+        return AutoExecutor(address=address or None, num_cpus=num_cpus)
     from stage_dse.errors import ConfigError
 
-    raise ConfigError(f"runner.kind={kind!r} is not one of: local, ray")
+    raise ConfigError(f"runner.kind={kind!r} is not one of: auto, local, ray")

@@ -51,6 +51,8 @@ class SweepReport:
     seconds: float = 0.0
     run_id: str = ""
     """Recorded in the ``run_id`` column of every row this run evaluated."""
+    runner: str = ""
+    """Where the run evaluated, and why there (``runner=auto``)."""
 
 
 def _chunks(spec: SweepSpec) -> Iterator[tuple[pd.DataFrame, int, Counter]]:
@@ -142,6 +144,22 @@ def run_grid(
         store.release()
 
 
+def _start_and_compile(executor, keys: list, plans: int, log) -> None:
+    """Start the executor (Ray: start or join the cluster) and, when the families will meet
+    enough rows to repay it, compile them ahead of the evaluation; each phase is logged with
+    its time, so nothing is silent for long."""
+    from stage_dse.cost.compile import LLVM_MIN_ROWS
+
+    t = time.perf_counter()
+    started = executor.start()
+    if started:
+        log(f"  started {started} in {time.perf_counter() - t:.1f} s")
+    if plans / max(1, len(keys)) >= LLVM_MIN_ROWS:
+        t = time.perf_counter()
+        executor.compile(keys)
+        log(f"  compiled up to {len(keys)} plan families in {time.perf_counter() - t:.1f} s")
+
+
 def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name, run_id=new_run_id())
@@ -173,8 +191,8 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
     rejected_total = sum(report.rejected.values())
     log(
         f"sweep {spec.name}: {report.valid:,} valid plans of {report.candidates:,} candidates "
-        f"({rejected_total:,} rejected by divisibility rules); {len(done):,} rows already in "
-        f"{store.root}; evaluating the rest in {len(blocks)} batches on {executor.name}"
+        f"({rejected_total:,} rejected by divisibility rules, enumerated in "
+        f"{time.perf_counter() - t0:.2f} s); {len(done):,} rows already in {store.root}"
     )
     if done and blocks:
         # a resumed sweep: blocks whose every configuration is stored need no worker (and a
@@ -186,8 +204,11 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
         blocks = todo
         if not blocks:
             log("every configuration is already stored: nothing to evaluate")
+    left = sum(b.stop - b.start for b in blocks)
+    report.runner = executor.choose(left)
     if blocks:
-        executor.compile(family_keys(spec))
+        log(f"  evaluating up to {left:,} plans in {len(blocks)} batches on {report.runner}")
+        _start_and_compile(executor, family_keys(spec), left, log)
     bar = _progress(report.valid, progress)
     shared_done = executor.share(done_hashes(done)) if done and blocks else None
     tasks = ((i, (b, spec.name, shared_done, report.run_id)) for i, b in enumerate(blocks))

@@ -164,6 +164,9 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         f"{objectives}; {existing} trials in {store.root / '_optuna.journal'}, asking {remaining}"
     )
     report = SweepReport(name=spec.name, run_id=new_run_id())
+    report.runner = executor.choose(remaining)
+    if remaining:
+        log(f"  evaluating up to {remaining:,} trials on {report.runner}")
     done = store.hashes()
     states: Counter = Counter()
     while remaining > 0:

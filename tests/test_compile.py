@@ -1,0 +1,81 @@
+"""The compile strategy by size: small tables are interpreted, large ones compiled, and both
+give the same numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import symengine as se
+
+import stage_dse.cost.compile as C
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.table import KEY_COLUMNS, key_from_values
+from stage_dse.search import SearchSpace, enumerate_plans
+from stage_dse.spec import TrainingSpec
+
+
+@pytest.fixture(scope="module")
+def families():
+    """Rows and key of a few families of two models (dense with CP, MoE with EP)."""
+    out = []
+    for name, space in (
+        ("llama3_70b", SearchSpace(cp=(1, 2), attention=("flash", "materialized"))),
+        ("mixtral_8x7b", SearchSpace(ep=(1, 2, 4, 8))),
+    ):
+        plans = enumerate_plans(
+            load_model(name),
+            TrainingSpec(seq_len=4096, global_batch_size=512),
+            load_hardware("h100_sxm"),
+            load_cluster("dgx_h100", num_gpus=256),
+            space,
+        ).table
+        codes = plans.groupby(list(KEY_COLUMNS), observed=True, sort=False).ngroup()
+        for g in np.unique(codes)[:3]:
+            rows = plans[codes == g]
+            key = key_from_values(dict(rows[list(KEY_COLUMNS)].iloc[0]))
+            out.append((key, np.ascontiguousarray(rows[list(C.SYMBOL_NAMES)].to_numpy(float))))
+    return out
+
+
+def test_interpreted_and_compiled_families_agree(families, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
+    for key, x in families:
+        fast = C._interpreted_family(key, "all")
+        built = C.compile_family(key, "symengine")
+        assert fast.names == built.names
+        a, b = fast(x), built(x)
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        assert np.allclose(a, b, rtol=1e-15, atol=0, equal_nan=True)
+
+
+def test_dag_conversion_equals_symengines_own(families):
+    key, x = families[0]
+    defs, outputs = C.family_program(key)
+    names = list(outputs)
+    ours = C._to_symengine(defs, [outputs[n] for n in names])
+    resolved: dict = {}
+    for sym, expr in defs:
+        e = se.sympify(expr)
+        resolved[se.Symbol(sym.name)] = e.xreplace(resolved) if resolved else e
+    theirs = [se.sympify(outputs[n]).xreplace(resolved) for n in names]
+    args = C._se_args()
+    a = se.Lambdify(args, ours, backend="lambda", cse=True, real=True)(x)
+    b = se.Lambdify(args, theirs, backend="lambda", cse=True, real=True)(x)
+    assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(C, "LLVM_MIN_ROWS", 1000)
+    monkeypatch.setattr(C, "_rows_seen", {})
+    monkeypatch.setattr(C, "_compiled", set())
+    key, _ = families[-1]
+    assert C.family_for(key, "all", 400).backend == "interpreted"
+    assert C.family_for(key, "all", 400).backend == "interpreted"
+    assert not list(tmp_path.glob("family-*.pkl"))  # nothing compiled, nothing cached
+    assert C.family_for(key, "all", 400).backend == "symengine"  # 1,200 rows: compiled
+    assert len(list(tmp_path.glob("family-*.pkl"))) == 1
+    # a later process finds the compiled code in the disk cache and uses it for one row
+    monkeypatch.setattr(C, "_rows_seen", {})
+    monkeypatch.setattr(C, "_compiled", set())
+    assert C.family_for(key, "all", 1).backend == "symengine"
