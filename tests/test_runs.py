@@ -269,3 +269,34 @@ def test_evaluate_plan_names_its_outputs_as_the_result_columns(tmp_path):
         assert old not in got  # the evaluator's internal names stay internal
     for name in shared:
         assert got[name] == pytest.approx(float(row[name]), rel=1e-9, nan_ok=True), name
+
+
+def test_import_pulls_neither_ray_nor_optuna_nor_matplotlib():
+    code = (
+        "import sys, stage_dse, stage_dse.cost.bind, stage_dse.cost.table, stage_dse.runner\n"
+        "print(sorted(m for m in ('ray', 'optuna', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_auto_runner_evaluates_small_sweeps_in_process_and_says_why(tmp_path, capsys):
+    from test_sweep import compose_cfg as compose
+
+    run(compose([f"results_dir={tmp_path}", "runner.progress=false", "num_gpus=[16]"]))
+    out = capsys.readouterr().out
+    assert "runner: local (runner=auto: " in out and "< 300,000: faster than starting Ray" in out
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_auto_runner_picks_ray_for_large_runs_and_for_a_cluster_address():
+    from stage_dse.runner.executors import AUTO_RAY_MIN_PLANS, AutoExecutor, RayExecutor
+
+    big = AutoExecutor()
+    assert big.choose(AUTO_RAY_MIN_PLANS).startswith("ray (runner=auto: ")
+    assert isinstance(big.inner, RayExecutor) and big.inner._ray is None  # chosen, not started
+    joined = AutoExecutor(address="ray://head:10001")
+    assert "runner.address=ray://head:10001 given" in joined.choose(10)
+    assert isinstance(joined.inner, RayExecutor)

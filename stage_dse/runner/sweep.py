@@ -154,7 +154,7 @@ def _start_and_compile(executor, keys: list, plans: int, log) -> None:
     started = executor.start()
     if started:
         log(f"  started {started} in {time.perf_counter() - t:.1f} s")
-    if plans / max(1, len(keys)) >= LLVM_MIN_ROWS:
+    if executor.name != "local" and plans / max(1, len(keys)) >= LLVM_MIN_ROWS:
         t = time.perf_counter()
         executor.compile(keys)
         log(f"  compiled up to {len(keys)} plan families in {time.perf_counter() - t:.1f} s")
