@@ -1,0 +1,2 @@
+"""Kernel latencies measured on real GPUs (optional extra ``measured``): reading the tables of
+``aiconfigurator-core`` and interpolating them over arrays of op shapes."""

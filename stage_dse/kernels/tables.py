@@ -1,0 +1,146 @@
+"""Kernel latencies measured on real GPUs, read from the ``aiconfigurator-core`` package.
+
+``aiconfigurator-core`` (Apache-2.0, the data package of NVIDIA's AIConfigurator; install with
+``pip install -e ".[measured]"``) ships Parquet tables of kernel latencies measured under CUDA
+graphs, in milliseconds, under ``aiconfigurator_core/systems/data/<gpu>/<op>/<backend>/<version>/``.
+This module reads three of them for one GPU into :class:`~stage_dse.kernels.interp.GridTable`
+objects, in seconds and bytes:
+
+* ``gemm_perf``: GEMM latency by (m, n, k), one table per GEMM dtype (``bf16``; ``fp8`` on
+  GPUs with FP8 tensor cores);
+* ``context_attention_perf``: fused prefill attention by (batch, sequence length), one table per
+  (heads, kv heads, head dim), 16-bit inputs and cache, no sliding window;
+* ``nccl_perf``: NCCL all-reduce / all-gather / reduce-scatter / all-to-all by message size,
+  one table per GPU count (2, 4, 8: one NVLink domain), 16-bit elements (``message_size`` is
+  in elements there; here it is bytes, 2 per element).
+
+The TensorRT-LLM backend's newest collection is used (its GEMMs and attention are the
+cuBLAS/FMHA kernels training frameworks call too). Tables load once per process (and per Ray
+worker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from stage_dse.errors import ConfigError
+from stage_dse.kernels.interp import GridTable
+
+__all__ = ["GPU_TABLES", "MeasuredTables", "data_root", "load_tables"]
+
+GPU_TABLES = {
+    "a100_80gb": "a100_sxm",
+    "a100_40gb": "a100_sxm",  # same SMs and clocks; only HBM size differs
+    "h100_sxm": "h100_sxm",
+    "h200": "h200_sxm",
+    "b200": "b200_sxm",
+}
+"""Hardware preset -> the package's table set (``hardware.measured_gpu`` overrides)."""
+BACKEND = "trtllm"
+MS = 1e-3
+NCCL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_to_all": "alltoall",
+}
+
+
+def data_root() -> Path | None:
+    """``aiconfigurator_core/systems/data`` of the installed package, or None."""
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / "systems" / "data"
+    return root if root.is_dir() else None
+
+
+class MeasuredTables:
+    """The GEMM, attention and NCCL tables of one GPU (see the module docstring)."""
+
+    def __init__(self, gpu: str, gemm: dict, attention: dict, nccl: dict, version: str):
+        self.gpu = gpu
+        self.gemm: dict[str, GridTable] = gemm
+        self.attention: dict[tuple[int, int, int], GridTable] = attention
+        self.nccl: dict[tuple[str, int], GridTable] = nccl
+        self.version = version
+
+    def __repr__(self) -> str:
+        return (
+            f"MeasuredTables({self.gpu}, {BACKEND} {self.version}: gemm {sorted(self.gemm)}, "
+            f"{len(self.attention)} attention head layouts, {len(self.nccl)} NCCL tables)"
+        )
+
+
+@lru_cache(maxsize=8)
+def load_tables(gpu: str) -> MeasuredTables:
+    """The measured tables of table set ``gpu`` (e.g. ``a100_sxm``); a clear error when the
+    extra is not installed or the GPU has no tables."""
+    root = data_root()
+    if root is None:
+        raise ConfigError(
+            "timing=measured needs the measured-kernel tables: pip install -e '.[measured]' "
+            "(aiconfigurator-core)"
+        )
+    if not (root / gpu).is_dir():
+        have = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir()))
+        raise ConfigError(f"hardware.measured_gpu={gpu!r} has no tables; tables exist for: {have}")
+    import pandas as pd
+
+    version = _newest(root / gpu / "gemm" / BACKEND)
+    gemm_frame = pd.read_parquet(root / gpu / "gemm" / BACKEND / version / "gemm_perf.parquet")
+    gemm = {}
+    for ours, theirs in (("bf16", "bfloat16"), ("fp8", "fp8")):
+        g = gemm_frame[gemm_frame["gemm_dtype"] == theirs]
+        if len(g):
+            gemm[ours] = GridTable.from_points(
+                ("m", "n", "k"), g[["m", "n", "k"]].to_numpy(), g["latency"].to_numpy() * MS
+            )
+    att_dir = root / gpu / "attention" / BACKEND
+    a = pd.read_parquet(att_dir / _newest(att_dir) / "context_attention_perf.parquet")
+    a = a[
+        (a["attn_dtype"] == "bfloat16")
+        & (a["kv_cache_dtype"] == "bfloat16")
+        & (a["window_size"] == 0)
+        & (a["beam_width"] == 1)
+    ]
+    attention = {}
+    for (h, kv, hd), g in a.groupby(["num_heads", "num_key_value_heads", "head_dim"]):
+        if g["batch_size"].nunique() > 1 and g["isl"].nunique() > 1:
+            attention[int(h), int(kv), int(hd)] = GridTable.from_points(
+                ("batch", "seq"), g[["batch_size", "isl"]].to_numpy(), g["latency"].to_numpy() * MS
+            )
+    nccl_dir = root / gpu / "comm" / "nccl"
+    n = pd.read_parquet(nccl_dir / _newest(nccl_dir) / "nccl_perf.parquet")
+    n = n[n["nccl_dtype"] == "half"]
+    nccl = {}
+    for ours, theirs in NCCL_OPS.items():
+        for gpus, g in n[n["op_name"] == theirs].groupby("num_gpus"):
+            nccl[ours, int(gpus)] = GridTable.from_points(
+                ("bytes",),
+                2.0 * g[["message_size"]].to_numpy(),
+                g["latency"].to_numpy() * MS,
+            )
+    return MeasuredTables(gpu, gemm, attention, nccl, version)
+
+
+def _newest(folder: Path) -> str:
+    from packaging.version import Version
+
+    versions = [p.name for p in folder.iterdir() if p.is_dir()]
+    if not versions:
+        raise ConfigError(f"no measured tables under {folder}")
+    return max(versions, key=Version)
+
+
+def gemm_seconds(tables: MeasuredTables, dtype: str, m, n, k) -> tuple[np.ndarray, np.ndarray]:
+    """Measured seconds of GEMMs (arrays) and whether each was inside the table."""
+    table = tables.gemm.get(dtype)
+    if table is None:
+        nan = np.full(np.broadcast(m, n, k).shape, np.nan)
+        return nan, np.zeros(nan.shape, dtype=bool)
+    return table.lookup(m, n, k)
