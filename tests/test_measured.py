@@ -115,3 +115,115 @@ def test_unknown_table_set_is_a_one_line_error():
     else:
         with pytest.raises(ConfigError, match=r"hardware\.measured_gpu='tpu_v5' has no tables"):
             load_tables("tpu_v5")
+
+
+def _table(model: str, hardware: str, cluster: str, gpus: int, seq: int, batch: int, space):
+    from stage_dse.config import load_cluster, load_hardware, load_model
+    from stage_dse.search import enumerate_plans
+    from stage_dse.spec import TrainingSpec
+
+    return enumerate_plans(
+        load_model(model),
+        TrainingSpec(seq_len=seq, global_batch_size=batch),
+        load_hardware(hardware),
+        load_cluster(cluster, num_gpus=gpus),
+        space,
+    ).table
+
+
+def test_measured_timing_without_tables_is_the_roofline():
+    """A GPU without tables (MI300X): every kernel keeps its roofline time, so the measured
+    program (kernel times as inputs) reproduces the roofline step time."""
+    from stage_dse.cost.table import evaluate_table
+    from stage_dse.search import SearchSpace
+
+    table = _table("llama3_8b", "mi300x", "mi300x_8", 64, 4096, 256, SearchSpace(tp=(1, 2, 8)))
+    plain = evaluate_table(table)
+    measured = evaluate_table(table, timing="measured")
+    assert (measured["measured_share"] == 0).all()
+    for col in ("time_step_s", "time_compute_s", "time_tp_comm_s", "mfu", "mem_total"):
+        assert np.allclose(measured[col], plain[col], rtol=1e-12, atol=0), col
+
+
+@needs_tables
+def test_measured_kernels_come_from_the_tables_and_outside_shapes_fall_back():
+    from stage_dse.cost.compile import SYMBOL_NAMES, family_for, family_kernels
+    from stage_dse.cost.table import KEY_COLUMNS, evaluate_table, key_from_values
+    from stage_dse.kernels.timing import kernel_seconds
+    from stage_dse.search import SearchSpace
+
+    space = SearchSpace(tp=(8,), pp=(8,), sequence_parallel=(False,), zero_stage=(1,))
+    tables = load_tables("a100_sxm")
+    shares = {}
+    for seq in (2048, 32768):  # A100's attention table stops at 16,384 tokens
+        table = _table("llama3_70b", "a100_80gb", "dgx_a100", 512, seq, 256, space)
+        key = key_from_values(dict(table[list(KEY_COLUMNS)].iloc[0]))
+        kernels = family_kernels(key)
+        x = table[list(SYMBOL_NAMES)]
+        x = np.ascontiguousarray(x.to_numpy(np.float64))
+        shapes = family_for(key, "kernels", len(x))(x)
+        seconds, measured = kernel_seconds(kernels, shapes, tables)
+        attention = [j for j, k in enumerate(kernels) if k.table == "attention"]
+        gemms = [j for j, k in enumerate(kernels) if k.table == "gemm"]
+        if seq == 2048:  # every GEMM of Llama-3-70B at tp 8 is inside the table
+            assert measured[:, gemms].all()
+            # a GEMM's time is the table's at its (m, n, k)
+            col = sum(len(k.shape) + 1 for k in kernels[: gemms[0]])
+            m, n, k_ = shapes[0, col : col + 3]
+            want = float(tables.gemm["bf16"].lookup(m, n, k_)[0])
+            assert seconds[0, gemms[0]] == pytest.approx(want)
+        assert measured[:, attention].all() == (seq == 2048)
+        if seq == 32768:  # counted as roofline: the kernel's roofline seconds
+            roof = [sum(len(k.shape) + 1 for k in kernels[: j + 1]) - 1 for j in attention]
+            assert np.array_equal(seconds[:, attention], shapes[:, roof])
+        shares[seq] = evaluate_table(table, timing="measured")["measured_share"]
+    assert ((shares[2048] > 0.5) & (shares[2048] <= 1)).all()
+    assert shares[32768].max() < shares[2048].min()
+
+
+@needs_tables
+def test_measured_sweep_rows_say_their_timing_and_never_collide_with_roofline_rows(tmp_path):
+    from test_sweep import compose_cfg
+
+    from stage_dse.cli import run
+    from stage_dse.results import load
+
+    base = [f"results_dir={tmp_path}", "runner.progress=false", "num_gpus=[16]"]
+    run(compose_cfg([*base, "sweep_name=roof"]))
+    run(compose_cfg([*base, "sweep_name=meas", "timing=measured"]))
+    roof, meas = load(tmp_path / "roof"), load(tmp_path / "meas")
+    assert set(roof["timing"]) == {"roofline"} and set(meas["timing"]) == {"measured"}
+    assert (roof["measured_share"] == 0).all()
+    ok = meas[meas["status"] == "ok"]
+    assert ((ok["measured_share"] > 0) & (ok["measured_share"] <= 1)).all()
+    assert not set(roof["config_hash"]) & set(meas["config_hash"])
+    # memory does not depend on the timing source; step times do
+    plan = ["dp", "tp", "pp", "cp", "micro_batch", "zero_stage", "recompute"]
+    plan += ["sequence_parallel", "attention", "virtual_stages", "stage_layers"]
+    both = roof.merge(meas, on=plan)
+    assert len(both) == len(roof) == len(meas)
+    assert np.allclose(both["mem_total_bytes_x"], both["mem_total_bytes_y"])
+    assert not np.allclose(both["step_s_x"], both["step_s_y"])
+
+
+@needs_tables
+def test_validate_prints_both_sources(capsys):
+    from stage_dse.cli.validate import main
+
+    assert main(["timing=measured"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for table in ("table1", "table4"):
+        for source in ("roofline", "measured"):
+            line = next(x for x in lines if x.startswith(f"{table} ") and x.endswith(source))
+            fields = dict(kv.split("=") for kv in line.split()[1:])
+            assert float(fields["mean_abs_err_pct"]) <= float(fields["max_abs_err_pct"])
+
+
+def test_timing_must_be_a_known_source(capsys):
+    from stage_dse.cli.validate import main
+
+    assert main(["timing=silicon"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "stage-dse-validate: error: 'timing=silicon': expected timing=roofline or timing=measured"
+    ]

@@ -124,6 +124,14 @@ def run(cfg: DictConfig) -> int:
     for hw in spec.hardware:
         usable = min(hw.usable_bytes, limit) if limit else hw.usable_bytes
         print(f"memory judged against: {usable / GIB:.1f} GiB usable per {hw.name} GPU")
+    if spec.timing == "measured":
+        ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
+        if len(ok):
+            share = float(ok["measured_share"].median())
+            print(
+                f"timing: measured kernel tables for {share:.0%} of the step time (median over "
+                "this run's plans), roofline for the rest"
+            )
     if report.trial_states:
         print("optuna trials by state:")
         print(_fmt_counter(report.trial_states))

@@ -83,6 +83,8 @@ class HardwareConf:
     gemm_floor_us: float = 0.0
     attention_floor_us: float = 0.0
     elementwise_floor_us: float = 0.0
+    measured_gpu: str = ""
+    """timing=measured: table set of measured kernels (empty: by preset name; none: no tables)."""
 
 
 @dataclass
@@ -222,6 +224,9 @@ class Config:
     top_k: int = 10
     mode: str = "sweep"
     """sweep: evaluate and rank; budget: cheapest/fastest plans within budget.* limits."""
+    timing: str = "roofline"
+    """roofline (analytic kernels) or measured (kernel tables of aiconfigurator-core where a
+    shape lies inside them, roofline elsewhere; needs the ``measured`` extra)."""
 
 
 def register_schemas() -> None:
@@ -341,7 +346,14 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
         gpu_counts=tuple(num_gpus),
         space=space,
         memory_limit_bytes=None if mem is None else float(mem) * 2.0**30,
+        timing=c.get("timing", "roofline"),
     )
+    if spec.timing == "measured":
+        from stage_dse.kernels.tables import load_tables, table_set
+
+        gpu = table_set(hardware)
+        if gpu is not None:
+            load_tables(gpu)  # the extra and the table set checked before any work
     return spec
 
 

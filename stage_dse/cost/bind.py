@@ -145,11 +145,13 @@ def evaluate_plan(
     *,
     hardware: HardwareSpec | None = None,
     cluster: ClusterSpec | None = None,
+    timing: str = "roofline",
 ) -> dict[str, float]:
     """Every cost of one validated plan as floats, named as the result columns are
     (``mem_total_bytes``, ``model_flops``, ``step_s``, ``mfu``, ``comm_dp_bytes``, ...), plus
     the detail outputs that have no column (``comm_<kind>_<group>`` per communicator,
-    ``stage_*`` per pipeline stage). Without hardware and cluster, time outputs are NaN."""
+    ``stage_*`` per pipeline stage). Without hardware and cluster, time outputs are NaN.
+    ``timing="measured"``: kernels from the hardware's measured tables (``measured_share``)."""
     validate_plan(model, training, plan, num_gpus)
     values = bind(model, training, plan)
     if hardware is not None and cluster is not None:
@@ -158,6 +160,15 @@ def evaluate_plan(
         values.update(bind_hardware(hardware, cluster))
     else:
         values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))
-    family = family_for(cost_key(model, plan, training))
     x = np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
+    if timing == "measured" and hardware is not None:
+        from stage_dse.cost.table import _Measured
+        from stage_dse.kernels.tables import load_tables, table_set
+
+        gpu = table_set(hardware)
+        family = _Measured(cost_key(model, plan, training), 1, load_tables(gpu) if gpu else None)
+    elif timing not in ("roofline", "measured"):
+        raise ConfigError(f"timing={timing!r} is not one of: roofline, measured")
+    else:
+        family = family_for(cost_key(model, plan, training))
     return named_outputs(list(family.names), family(x)[0])

@@ -57,6 +57,7 @@ COST_COLUMNS: dict[str, str] = {
     "mfu_causal": "mfu_causal",
     "hfu": "hfu",
     "achieved_flops_per_gpu": "achieved_flops_per_s_per_gpu",
+    "measured_share": "measured_share",
 }
 SERVING_COLUMNS: dict[str, str] = {
     "serve_ttft_s": "ttft_s",
@@ -108,6 +109,8 @@ def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
     cols = {d: by_column[where[s]] if s in where else nan for s, d in COST_COLUMNS.items()}
     if "params_active" not in where and "params_total" in where:  # dense: every weight is active
         cols["params_active"] = cols["params"]
+    if "measured_share" not in where and "time_step_s" in where:  # roofline timing
+        cols["measured_share"] = np.zeros(len(out))
     sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
     for i, name in enumerate(names):
         if not name.startswith("comm_") or name == "comm_total":

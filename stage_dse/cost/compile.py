@@ -34,7 +34,7 @@ import numpy as np
 import sympy as sp
 
 from stage_dse.cost.derive import CostKey, derive
-from stage_dse.cost.time import derive_time
+from stage_dse.cost.time import Kernel, derive_measured_time, derive_time
 from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import _build
 
@@ -58,17 +58,29 @@ except ImportError:  # pragma: no cover - exercised when the extra is not instal
     _se = None
 
 
-def family_program(key: CostKey) -> tuple[list[tuple[sp.Symbol, sp.Expr]], dict[str, sp.Expr]]:
-    """Definitions and named outputs of every cost of one family, time included."""
+def family_program(
+    key: CostKey, measured: bool = False
+) -> tuple[list[tuple[sp.Symbol, sp.Expr]], dict[str, sp.Expr]]:
+    """Definitions and named outputs of every cost of one family, time included. ``measured``:
+    the time of each measurable kernel is an input symbol (:func:`family_kernels`)."""
     _build(key.graph)
     costs = derive(key).all()
-    defs, time_out = derive_time(key)
+    defs, time_out = derive_measured_time(key)[0] if measured else derive_time(key)
     outputs: dict[str, sp.Expr] = dict(costs)
     for name, expr in time_out:
         metric = name in ("mfu", "mfu_causal", "hfu", "tokens_per_s", "achieved_flops_per_gpu")
         outputs[name if metric else f"time_{name}"] = expr
     outputs["mem_headroom_bytes"] = Symbols.usable_memory - costs["mem_total"]
     return list(defs), outputs
+
+
+def family_kernels(key: CostKey) -> tuple[Kernel, ...]:
+    """The measurable kernels of one family, in the order of their time inputs."""
+    return tuple(k for k, _ in derive_measured_time(key)[1])
+
+
+def _kernel_symbols(key: CostKey) -> tuple[sp.Symbol, ...]:
+    return tuple(sym for _, sym in derive_measured_time(key)[1])
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,8 @@ class CompiledFamily:
     backend: str
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """``x``: (rows, len(SYMBOL_NAMES)) float64 -> (rows, len(names)) float64."""
+        """``x``: (rows, len(SYMBOL_NAMES)) float64 -> (rows, len(names)) float64 (subset
+        ``measured``: the kernels' seconds follow the symbol columns)."""
         return self.fn(x)
 
 
@@ -160,7 +173,7 @@ def _cache_path(key: CostKey, backend: str, subset: str) -> Path:
 @lru_cache(maxsize=512)
 def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
     names, outs = _symengine_program(key, subset)
-    fn = _se.Lambdify(_se_args(), outs, backend="lambda", cse=True, real=True)
+    fn = _se.Lambdify(_se_args(key, subset), outs, backend="lambda", cse=True, real=True)
     return CompiledFamily(key, names, _wrap(fn, len(names)), "interpreted")
 
 
@@ -173,7 +186,16 @@ def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list
 
 
 def _family_outputs(key: CostKey, subset: str):
-    defs, outputs = family_program(key)
+    """Subsets: ``all``; ``memory`` (parameters and memory only); ``measured`` (all, kernel
+    times as inputs); ``kernels`` (each measurable kernel's shape and roofline seconds)."""
+    if subset == "kernels":
+        outputs = {}
+        for j, kernel in enumerate(family_kernels(key)):
+            for i, e in enumerate(kernel.shape):
+                outputs[f"k{j}_shape{i}"] = e
+            outputs[f"k{j}_roofline_s"] = kernel.roofline
+        return [], outputs
+    defs, outputs = family_program(key, measured=subset == "measured")
     if subset == "memory":
         outputs = {n: e for n, e in outputs.items() if n.startswith(MEMORY_PREFIXES)}
         defs = []
@@ -200,12 +222,14 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
             path.unlink(missing_ok=True)
     if backend == "symengine":
         names, outs = _symengine_program(key, subset)
-        fn = _lambdify_symengine(outs)
+        fn = _lambdify_symengine(outs, _se_args(key, subset))
         _store(path, (names, fn))
         return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
     defs, outputs = _family_outputs(key, subset)
     names = tuple(outputs)
-    return CompiledFamily(key, names, _compile_numpy(defs, [outputs[n] for n in names]), backend)
+    extra = list(_kernel_symbols(key)) if subset == "measured" else []
+    fn = _compile_numpy(defs, [outputs[n] for n in names], extra)
+    return CompiledFamily(key, names, fn, backend)
 
 
 def _store(path: Path, obj: object) -> None:
@@ -232,8 +256,11 @@ def _wrap(f, n_out: int):
     return run
 
 
-def _se_args() -> list:
-    return [_se.Symbol(s.name) for s in _SYMBOLS]
+def _se_args(key: CostKey | None = None, subset: str = "all") -> list:
+    names = [s.name for s in _SYMBOLS]
+    if subset == "measured" and key is not None:
+        names += [s.name for s in _kernel_symbols(key)]
+    return [_se.Symbol(n) for n in names]
 
 
 def _to_symengine(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr]) -> list:
@@ -306,16 +333,19 @@ def _se_kinds() -> dict:
     }
 
 
-def _lambdify_symengine(outs: list):
+def _lambdify_symengine(outs: list, args: list | None = None):
+    args = args if args is not None else _se_args()
     try:
-        return _se.Lambdify(_se_args(), outs, backend="llvm", cse=True, real=True)
+        return _se.Lambdify(args, outs, backend="llvm", cse=True, real=True)
     except (RuntimeError, ValueError, TypeError):  # symengine built without LLVM
-        return _se.Lambdify(_se_args(), outs, backend="lambda", cse=True, real=True)
+        return _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
 
 
-def _compile_numpy(defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr]):
+def _compile_numpy(
+    defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr], extra: Sequence = ()
+):
     steps = []
-    known = list(_SYMBOLS)
+    known = [*_SYMBOLS, *extra]
     for sym, expr in defs:
         steps.append(sp.lambdify(known, expr, modules="numpy"))
         known.append(sym)

@@ -265,17 +265,31 @@ class PlanColumns:
         return runs
 
 
-def evaluate_columns(plans: PlanColumns, subset: str = "all") -> tuple[list[str], np.ndarray]:
+def evaluate_columns(
+    plans: PlanColumns,
+    subset: str = "all",
+    timing: str = "roofline",
+    measured_gpu: str | None = None,
+) -> tuple[list[str], np.ndarray]:
     """Every cost of every row of ``plans``: output names and a ``(rows, len(names))`` matrix
-    (one compiled call per run of rows of one family, see :func:`evaluate_table`)."""
+    (one compiled call per run of rows of one family, see :func:`evaluate_table`; with
+    ``timing="measured"``, every row on the table set ``measured_gpu``)."""
     missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in plans]
     if missing:
         raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
     if len(plans) == 0:
         return [], np.zeros((0, 0))
-    runs = [
-        (family_for(key_from_values(v), subset, b - a), a, b) for v, a, b in plans.family_runs()
-    ]
+    if timing == "measured" and subset == "all":
+        from stage_dse.kernels.tables import load_tables
+
+        tables = load_tables(measured_gpu) if measured_gpu else None
+        runs = [
+            (_Measured(key_from_values(v), b - a, tables), a, b) for v, a, b in plans.family_runs()
+        ]
+    else:
+        runs = [
+            (family_for(key_from_values(v), subset, b - a), a, b) for v, a, b in plans.family_runs()
+        ]
     return _evaluate_runs(plans.symbol_matrix(), runs)
 
 
@@ -307,10 +321,23 @@ def evaluate_plans(table: pd.DataFrame) -> pd.DataFrame:
     return table.join(cost_columns(evaluate_table(table)))
 
 
-def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
+TIMINGS = ("roofline", "measured")
+
+
+def evaluate_table(
+    table: pd.DataFrame,
+    subset: str = "all",
+    timing: str = "roofline",
+    measured_gpu: dict[str, str | None] | None = None,
+) -> pd.DataFrame:
     """Every cost of every row, indexed like ``table`` (one compiled call per family/chunk).
 
     ``subset="memory"`` evaluates only parameters and memory (``mem_headroom_bytes`` included).
+    ``timing="measured"`` times linear GEMMs, fused attention and one-domain collectives from
+    tables of measured kernels (:mod:`stage_dse.kernels`), per hardware label:
+    ``measured_gpu`` maps a hardware name to its table set (default
+    :data:`stage_dse.kernels.tables.GPU_TABLES`; None: roofline only); the extra output
+    ``measured_share`` is the share of the step time that came from tables.
 
     Output columns are the union over the families present; a communication column a family
     does not have (no such collective in its graph) is 0 bytes.
@@ -318,8 +345,54 @@ def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
     missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in table.columns]
     if missing:
         raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
+    if timing not in TIMINGS:
+        raise ValueError(f"timing={timing!r} is not one of: {', '.join(TIMINGS)}")
     if len(table) == 0:
         return pd.DataFrame(index=table.index)
+    if timing == "measured" and subset == "all":
+        from stage_dse.kernels.tables import GPU_TABLES, load_tables
+
+        gpus = {**GPU_TABLES, **(measured_gpu or {})}
+        parts = []
+        for hw, rows in table.groupby("hardware", observed=True, sort=False):
+            tables = load_tables(gpus[hw]) if gpus.get(hw) else None
+            parts.append(_evaluate(rows, lambda key, n, t=tables: _Measured(key, n, t)))
+        return pd.concat(parts).reindex(table.index)
+    return _evaluate(table, lambda key, n: family_for(key, subset, n))
+
+
+class _Measured:
+    """A family evaluated with measured kernel times (see :func:`evaluate_table`)."""
+
+    STEP = "time_step_s"
+    EPS = 1e-6
+
+    def __init__(self, key: CostKey, rows: int, tables) -> None:
+        from stage_dse.cost.compile import family_kernels
+
+        self.kernels = family_kernels(key)
+        self.shapes = family_for(key, "kernels", rows)
+        self.family = family_for(key, "measured", rows)
+        self.tables = tables
+        self.names = (*self.family.names, "measured_share")
+        self.step = self.family.names.index(self.STEP)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        from stage_dse.kernels.timing import kernel_seconds
+
+        seconds, measured = kernel_seconds(self.kernels, self.shapes(x), self.tables)
+        y = self.family(np.hstack([x, seconds]))
+        share = np.zeros(len(x))
+        if measured.any():
+            # the step time's derivative along the measured kernels' times: how much of the
+            # step they make up (sums and maxima are linear almost everywhere)
+            bumped = self.family(np.hstack([x, seconds * (1 + self.EPS * measured)]))
+            step = y[:, self.step]
+            share = np.clip((bumped[:, self.step] - step) / (self.EPS * step), 0.0, 1.0)
+        return np.hstack([y, share[:, None]])
+
+
+def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:
     codes = np.zeros(len(table), dtype=np.int64)
     factors: list[tuple[np.ndarray, list]] = []
     for col in KEY_COLUMNS:
@@ -340,7 +413,7 @@ def evaluate_table(table: pd.DataFrame, subset: str = "all") -> pd.DataFrame:
     for a, b in zip(starts, ends):
         row = a if order is None else order[a]
         values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
-        families.append((family_for(key_from_values(values), subset, b - a), a, b))
+        families.append((make(key_from_values(values), b - a), a, b))
     names, out = _evaluate_runs(x, families)
     if order is not None:
         unsorted = np.empty_like(out)

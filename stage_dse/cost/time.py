@@ -91,7 +91,9 @@ from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
 __all__ = [
+    "Kernel",
     "collective_time",
+    "derive_measured_time",
     "derive_time",
     "embedding_sync_time",
     "group_tiers",
@@ -247,6 +249,14 @@ def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -
 
 # --------------------------------------------------------------------------- compute
 def _gemm_min_dim(op: Op) -> sp.Expr:
+    return _min(*gemm_mnk(op))
+
+
+def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """(m, n, k) of an einsum on one GPU: the local extents of the axes only its left operand
+    and the output have, only its right operand and the output have, and the contracted ones
+    (forward ``tokens x out_features x in_features``; the weight gradient's m is the weight's
+    input dimension and its k the tokens)."""
     a, b = op.inputs
     (out,) = op.outputs
     local = {
@@ -257,7 +267,7 @@ def _gemm_min_dim(op: Op) -> sp.Expr:
     m = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_o and ax not in in_b])
     n = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_b and ax in in_o and ax not in in_a])
     k = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_b and ax not in in_o])
-    return _min(m, n, k)
+    return m, n, k
 
 
 def _fp8_quantized_numel(op: Op) -> sp.Expr:
@@ -275,22 +285,34 @@ def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     """Seconds of one kernel: roofline, never below the kernel class's floor. ``saved_bytes``:
     HBM traffic a fused element-wise op does not make; such an op runs inside its consumer's
     kernel, so it pays no floor of its own."""
+    if op.kind is OpKind.EINSUM:
+        gemm, quantize = _gemm_time(op, saved_bytes)
+        return gemm + quantize
+    return _other_time(op, saved_bytes)
+
+
+def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
+    """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds."""
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
-    if op.kind is OpKind.EINSUM:
-        d = _gemm_min_dim(op)
-        eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
-        peak = S.peak_flops
-        quantize = sp.Integer(0)
-        if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
-            fp8 = 2 - S.gemm_bytes
-            peak = S.peak_flops + fp8 * (S.peak_fp8_flops - S.peak_flops)
-            numel = _fp8_quantized_numel(op)
-            if numel != 0:  # a quantize kernel first: read 16-bit, write 8-bit
-                kernel = _max(3 * numel / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
-                quantize = fp8 * kernel
-        gemm = _max(op.flops / (peak * eff), stream, S.gemm_floor_s) + S.kernel_launch_s
-        return gemm + quantize
+    d = _gemm_min_dim(op)
+    eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
+    peak = S.peak_flops
+    quantize = sp.Integer(0)
+    if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
+        fp8 = 2 - S.gemm_bytes
+        peak = S.peak_flops + fp8 * (S.peak_fp8_flops - S.peak_flops)
+        numel = _fp8_quantized_numel(op)
+        if numel != 0:  # a quantize kernel first: read 16-bit, write 8-bit
+            kernel = _max(3 * numel / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
+            quantize = fp8 * kernel
+    gemm = _max(op.flops / (peak * eff), stream, S.gemm_floor_s) + S.kernel_launch_s
+    return gemm, quantize
+
+
+def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
+    bandwidth = S.hbm_bandwidth * S.memory_efficiency
+    stream = (op.bytes - saved_bytes) / bandwidth
     if op.kind is OpKind.ATTENTION:
         eff = S.attention_efficiency
         executed = op.flops * op.executed_fraction
@@ -356,7 +378,79 @@ class SectionTime:
     bwd_comm: sp.Expr
 
 
-def section_time(graph: Graph, key: CostKey) -> SectionTime:
+@dataclass(frozen=True)
+class Kernel:
+    """An op that ``timing=measured`` times from a table of measured kernels: which table,
+    the op's shape on one GPU, its roofline time (used where the table does not reach) and
+    the factor applied to the table's time."""
+
+    table: str
+    """``gemm``, ``attention``, or a collective kind (``all_reduce``, ``all_gather``, ...)."""
+    shape: tuple[sp.Expr, ...]
+    """gemm: (m, n, k, gemm bytes); attention: (batch, query sequence, query heads, key/value
+    heads, head dim, key sequence); collective: (bytes per GPU, GPUs per domain, domains)."""
+    roofline: sp.Expr
+    scale: sp.Expr = sp.Integer(1)
+
+
+ATTENTION_BACKWARD_FACTOR = sp.Rational(5, 2)
+"""Measured fused-attention backward = this x the forward kernel's measured time: the
+backward kernel's flops over the forward's (four GEMMs plus the recomputed q k^T, the graph's
+rule in :mod:`stage_dse.graph.backward`), i.e. the backward kernel assumed to reach the
+forward kernel's measured throughput. FlashAttention-2 (Dao 2023) reports its backward
+kernel somewhat below its forward's throughput on A100, so this leans fast."""
+
+
+class KernelSet:
+    """The kernels of one family, each with the input symbol that carries its time."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[Kernel, sp.Symbol] = {}
+
+    def time(self, kernel: Kernel) -> sp.Symbol:
+        sym = self.symbols.get(kernel)
+        if sym is None:
+            sym = self.symbols[kernel] = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
+        return sym
+
+
+def _local(t, i: int) -> sp.Expr:
+    return t.axes[i].extent / sp.Mul(*[DEGREE[m] for m in t.layout[i]])
+
+
+def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
+    """Seconds of one compute op: its roofline, or (``kernels`` given) the symbol of its
+    measured kernel for linear GEMMs and fused attention."""
+    if kernels is None:
+        return _compute_time(op, saved)
+    if op.kind is OpKind.EINSUM and is_linear(op):
+        gemm, quantize = _gemm_time(op, saved)
+        return kernels.time(Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm)) + quantize
+    if op.kind is OpKind.ATTENTION:
+        backward = op.phase is Phase.BACKWARD
+        q, k = op.inputs[1:3] if backward else op.inputs[:2]
+        heads = sp.Mul(*[_local(q, i) for i in range(2, len(q.axes) - 1)])
+        kv = sp.Mul(*[_local(k, i) for i in range(2, len(k.axes) - 1)])
+        shape = (_local(q, 0), _local(q, 1), heads, kv, q.axes[-1].extent, _local(k, 1))
+        scale = ATTENTION_BACKWARD_FACTOR if backward else sp.Integer(1)
+        return kernels.time(Kernel("attention", shape, _other_time(op, saved), scale))
+    return _compute_time(op, saved)
+
+
+def _coll_time(coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet | None) -> sp.Expr:
+    t = collective_time(coll, group, size, order)
+    if kernels is None or coll.value not in (
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+    ):
+        return t
+    n_in, n_out, _ = group_tiers(frozenset(group), order)
+    return kernels.time(Kernel(coll.value, (size, n_in, n_out), t))
+
+
+def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
     order = key.rank_order
     rerun = _recomputed_ops(graph, key.recompute)
     savings = _fusion_savings(graph)
@@ -379,7 +473,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
             buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes
             continue
         if op.is_comm:
-            t = collective_time(op.coll, op.group, op.comm_bytes, order)
+            t = _coll_time(op.coll, op.group, op.comm_bytes, order, kernels)
             if op.group == {MeshAxis.CP}:
                 name = "cp_comm"
             elif MeshAxis.EP in op.group:
@@ -390,13 +484,13 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
             exposed = t
             partner = partners.get(op) if key.tp_dgrad_overlap and not is_rerun else None
             if partner is not None:
-                exposed = _max(0, t - _compute_time(partner, savings.get(partner, 0)))
+                exposed = _max(0, t - _op_time(partner, savings.get(partner, 0), kernels))
             if name == "tp_comm":
                 acc["tp_comm_exposed"].append(exposed)
             phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
             acc[phase].append(exposed)
             continue
-        t = _compute_time(op, savings.get(op, sp.Integer(0)))
+        t = _op_time(op, savings.get(op, sp.Integer(0)), kernels)
         if op.kind is OpKind.OPTIMIZER:
             acc["optimizer_step"].append(t)
             continue
@@ -407,7 +501,7 @@ def section_time(graph: Graph, key: CostKey) -> SectionTime:
         if op.kind is OpKind.ATTENTION or (op.matmul and op.region.value != "none"):
             acc["attention"].append(t)
     for (name, coll, group, _), size in buckets.items():
-        acc[name].append(collective_time(coll, group, size, order))
+        acc[name].append(_coll_time(coll, group, size, order, kernels))
     return SectionTime(
         fwd=_sum(acc["fwd"]),
         bwd=_sum(acc["bwd"]),
@@ -439,12 +533,23 @@ def derive_time(key: CostKey) -> Program:
     micro-batch times) as symbols keeps every expression small; :mod:`stage_dse.cost.compile`
     evaluates definitions in order.
     """
-    return _derive_time(key)
+    defs, out, _ = _derive_time(key, False)
+    return defs, out
+
+
+def derive_measured_time(key: CostKey) -> tuple[Program, tuple[tuple[Kernel, sp.Symbol], ...]]:
+    """:func:`derive_time` with the linear GEMMs, fused attention and collectives of every
+    section as input symbols (one per distinct kernel, :class:`Kernel`): their times come
+    from measured tables, or from the kernel's roofline where a table does not reach."""
+    defs, out, kernels = _derive_time(key, True)
+    return (defs, out), kernels
 
 
 @lru_cache(maxsize=512)
-def _derive_time(key: CostKey) -> Program:
+def _derive_time(key: CostKey, measured: bool):
     from stage_dse.graph.transformer import _build
+
+    kernels = KernelSet() if measured else None
 
     graphs = _build(key.graph)
     costs = derive(key)
@@ -458,7 +563,7 @@ def _derive_time(key: CostKey) -> Program:
     sections = {}
     labels = ("emb", "dns", "blk", "head") if graphs.dense is not None else ("emb", "blk", "head")
     for label, graph in zip(labels, graphs.sections):
-        st = section_time(graph, key)
+        st = section_time(graph, key, kernels)
         sections[label] = SectionTime(
             **{f: define(f"{label}_{f}", getattr(st, f)) for f in SectionTime.__dataclass_fields__}
         )
@@ -573,4 +678,5 @@ def _derive_time(key: CostKey) -> Program:
     # (what Korthikanti et al. Table 4 reports)
     out["layer_fwd_s"] = blk.fwd + blk.fwd_comm
     out["layer_bwd_s"] = blk.bwd + blk.bwd_comm
-    return tuple(defs), tuple(out.items())
+    found = tuple(kernels.symbols.items()) if kernels is not None else ()
+    return tuple(defs), tuple(out.items()), found

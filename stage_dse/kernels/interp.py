@@ -58,27 +58,44 @@ class GridTable:
         q = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in coords])
         shape = q[0].shape
         q = [c.reshape(-1) for c in q]
-        log_values = np.log(self.seconds)
+        log_axes, log_values, missing, strides = self._prepared()
         inside = np.ones(q[0].shape, dtype=bool)
-        lo_idx, weights = [], []
-        for c, a in zip(q, self.axes):
-            inside &= (c >= a[0]) & (c <= a[-1]) & (c > 0)
-            la = np.log(a)
+        base = np.zeros(q[0].shape, dtype=np.intp)
+        weights = []
+        for c, a, la, stride in zip(q, self.axes, log_axes, strides):
+            inside &= (c >= a[0]) & (c <= a[-1])
             lc = np.log(np.clip(c, a[0], a[-1]))
             i = np.clip(np.searchsorted(la, lc, side="right") - 1, 0, len(a) - 2)
-            w = (lc - la[i]) / (la[i + 1] - la[i])
-            lo_idx.append(i)
-            weights.append(np.clip(w, 0.0, 1.0))
+            weights.append(np.clip((lc - la[i]) / (la[i + 1] - la[i]), 0.0, 1.0))
+            base += i * stride
         acc = np.zeros(q[0].shape)
         for corner in range(1 << len(self.axes)):
-            idx, wt = [], np.ones(q[0].shape)
-            for d, (i, w) in enumerate(zip(lo_idx, weights)):
+            offset, wt = 0, None
+            for d, (w, stride) in enumerate(zip(weights, strides)):
                 up = (corner >> d) & 1
-                idx.append(i + up)
-                wt = wt * (w if up else 1.0 - w)
-            v = log_values[tuple(idx)]
+                offset += up * stride
+                f = w if up else 1.0 - w
+                wt = f if wt is None else wt * f
+            flat = base + offset
+            acc += wt * log_values[flat]
             # a corner that carries no weight (the query lies on a measured face) may be missing
-            acc = acc + np.where(wt > 0, wt * np.nan_to_num(v, nan=0.0), 0.0)
-            inside &= ~((wt > 0) & np.isnan(v))
+            inside &= ~((wt > 0) & missing[flat])
         out = np.where(inside, np.exp(acc), np.nan)
         return out.reshape(shape), inside.reshape(shape)
+
+    def _prepared(self):
+        """Log axes, log latencies (0 where missing) and the missing mask, flattened, and the
+        strides of the flat grid (computed once per table)."""
+        cached = self.__dict__.get("_cache")
+        if cached is None:
+            missing = ~np.isfinite(self.seconds)
+            log_values = np.where(missing, 0.0, np.log(np.where(missing, 1.0, self.seconds)))
+            strides = [int(s) // self.seconds.itemsize for s in self.seconds.strides]
+            cached = (
+                tuple(np.log(a) for a in self.axes),
+                np.ascontiguousarray(log_values).reshape(-1),
+                np.ascontiguousarray(missing).reshape(-1),
+                strides,
+            )
+            object.__setattr__(self, "_cache", cached)
+        return cached

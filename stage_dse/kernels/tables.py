@@ -30,7 +30,7 @@ import numpy as np
 from stage_dse.errors import ConfigError
 from stage_dse.kernels.interp import GridTable
 
-__all__ = ["GPU_TABLES", "MeasuredTables", "data_root", "load_tables"]
+__all__ = ["GPU_TABLES", "MeasuredTables", "data_root", "load_tables", "table_set"]
 
 GPU_TABLES = {
     "a100_80gb": "a100_sxm",
@@ -41,6 +41,14 @@ GPU_TABLES = {
 }
 """Hardware preset -> the package's table set (``hardware.measured_gpu`` overrides)."""
 BACKEND = "trtllm"
+
+
+def table_set(hardware) -> str | None:
+    """The table set of a :class:`~stage_dse.spec.HardwareSpec` (None: no measured tables)."""
+    chosen = getattr(hardware, "measured_gpu", "") or GPU_TABLES.get(hardware.name)
+    return None if chosen in (None, "", "none") else chosen
+
+
 MS = 1e-3
 NCCL_OPS = {
     "all_reduce": "all_reduce",

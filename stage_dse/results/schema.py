@@ -72,6 +72,7 @@ _fields = [
     pa.field("run_id", LABEL),
     pa.field("status", LABEL),
     pa.field("reason", LABEL),
+    pa.field("timing", LABEL),
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -156,6 +157,17 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         for i, c in enumerate(HASH_ORDER):
             v = _hash_input(source[c], c in STRING_CONFIG)
             h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
+        # measured timing makes other results of the same configuration; roofline rows keep
+        # the hashes they always had
+        if "timing" in source:
+            timing = source["timing"]
+            if isinstance(timing, str):
+                if timing != "roofline":
+                    h = _mix(h ^ _stable64(f"timing={timing}"))
+            else:
+                text = np.asarray(timing, dtype=str)
+                bumped = _mix(h ^ _stable64("timing=measured"))
+                h = np.where(text == "measured", bumped, h)
     return np.broadcast_to(h, (len(table),)).astype(np.uint64)
 
 

@@ -70,12 +70,21 @@ def finalize_rows(
         if field.name not in out:
             out[field.name] = None
     out["package_version"] = __version__
+    out["timing"] = configs["timing"].to_numpy() if "timing" in configs else "roofline"
     return out[[f.name for f in RESULT_SCHEMA]]
 
 
-def evaluate_batch(batch: pd.DataFrame, sweep: str = "default", run_id: str = "") -> pd.DataFrame:
-    """Evaluate valid plans; status ``ok`` when they fit in usable memory, else ``infeasible``."""
-    costs = evaluate_table(batch)
+def evaluate_batch(
+    batch: pd.DataFrame,
+    sweep: str = "default",
+    run_id: str = "",
+    measured_gpu: dict[str, str | None] | None = None,
+) -> pd.DataFrame:
+    """Evaluate valid plans; status ``ok`` when they fit in usable memory, else ``infeasible``.
+    A ``timing`` column of ``measured`` times kernels from the table sets ``measured_gpu``
+    names per hardware."""
+    timing = str(batch["timing"].iloc[0]) if "timing" in batch and len(batch) else "roofline"
+    costs = evaluate_table(batch, timing=timing, measured_gpu=measured_gpu)
     rows = finalize_rows(batch, costs, sweep, run_id)
     headroom = costs["mem_headroom_bytes"].to_numpy()
     fits = headroom >= 0
@@ -118,6 +127,7 @@ class Block:
     memory_limit_bytes: float | None
     start: int
     stop: int
+    timing: str = "roofline"
 
 
 def block_plans(block: Block) -> PlanColumns:
@@ -133,6 +143,7 @@ def block_plans(block: Block) -> PlanColumns:
     assert plans is not None
     if block.memory_limit_bytes is not None:
         plans.columns["usable_memory"] = float(block.memory_limit_bytes)
+    plans.columns["timing"] = block.timing
     return plans
 
 
@@ -162,7 +173,12 @@ def evaluate_block(
         plans, hashes = plans.take(keep), hashes[keep]
     if len(plans) == 0:
         return RESULT_SCHEMA.empty_table()
-    names, out = evaluate_columns(plans)
+    gpu = None
+    if block.timing == "measured":
+        from stage_dse.kernels.tables import table_set
+
+        gpu = table_set(block.hardware)
+    names, out = evaluate_columns(plans, timing=block.timing, measured_gpu=gpu)
     return rows_table(plans, hashes, cost_arrays(names, out), sweep, run_id)
 
 
@@ -237,6 +253,8 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
+        elif name == "timing":
+            arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))
         elif name == "trace_dir":
             arrays.append(pa.nulls(n, pa.string()))
         elif name == "trace_replay_s":

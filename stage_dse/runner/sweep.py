@@ -186,6 +186,7 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
                         memory_limit_bytes=spec.memory_limit_bytes,
                         start=start,
                         stop=stop,
+                        timing=spec.timing,
                     )
                     blocks.append(block)
     rejected_total = sum(report.rejected.values())

@@ -164,6 +164,11 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
         f"{objectives}; {existing} trials in {store.root / '_optuna.journal'}, asking {remaining}"
     )
     report = SweepReport(name=spec.name, run_id=new_run_id())
+    measured_gpu = None
+    if spec.timing == "measured":
+        from stage_dse.kernels.tables import table_set
+
+        measured_gpu = {name: table_set(hw) for name, hw in hardware.items()}
     report.runner = executor.choose(remaining)
     if remaining:
         log(f"  evaluating up to {remaining:,} trials on {report.runner}")
@@ -219,6 +224,7 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
                 continue
             if spec.memory_limit_bytes is not None:
                 row["usable_memory"] = spec.memory_limit_bytes
+            row["timing"] = spec.timing
             valid_rows.append(row)
             valid_trials.append(trial)
         written = []
@@ -254,7 +260,9 @@ def _run_study(spec, search, executor, store, progress, log, replaced, axes, t0)
                 batch = table[fits].reset_index(drop=True)
                 fit_trials = [t for t, f in zip(valid_trials, fits) if f]
                 ((_, result),) = list(
-                    executor.map(evaluate_batch, [(0, (batch, spec.name, report.run_id))])
+                    executor.map(
+                        evaluate_batch, [(0, (batch, spec.name, report.run_id, measured_gpu))]
+                    )
                 )
                 if isinstance(result, BaseException):
                     msg = f"{type(result).__name__}: {result}"

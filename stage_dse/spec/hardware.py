@@ -66,6 +66,9 @@ class HardwareSpec:
     """Shortest time of a fused attention kernel, seconds."""
     elementwise_floor_s: float = 0.0
     """Shortest time of a streaming (element-wise, norm, quantize) kernel, seconds."""
+    measured_gpu: str = ""
+    """``timing=measured``: the table set of measured kernels (``a100_sxm``, ``h100_sxm``, ...;
+    empty: :data:`stage_dse.kernels.tables.GPU_TABLES` by preset name; ``none``: no tables)."""
 
     def __post_init__(self) -> None:
         owner = "hardware"

@@ -130,8 +130,12 @@ class SweepSpec:
     space: SearchSpace
     memory_limit_bytes: float | None = None
     """Budget mode: usable memory per GPU replaces the hardware's."""
+    timing: str = "roofline"
+    """``roofline``, or ``measured`` (kernels from measured tables, :mod:`stage_dse.kernels`)."""
 
     def __post_init__(self) -> None:
+        if self.timing not in ("roofline", "measured"):
+            raise ConfigError(f"timing={self.timing!r} is not one of: roofline, measured")
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ConfigError(f"sweep_name={self.name!r} must be a plain folder name")
         if not self.gpu_counts:

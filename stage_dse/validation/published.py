@@ -33,7 +33,9 @@ def _rows(name: str) -> list[dict[str, str]]:
     return list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
 
 
-def narayanan_table1(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> pd.DataFrame:
+def narayanan_table1(
+    hardware: str = "a100_80gb", cluster: str = "dgx_a100", timing: str = "roofline"
+) -> pd.DataFrame:
     hw = load_hardware(hardware)
     rows = []
     for ref in _rows("narayanan_table1.csv"):
@@ -67,7 +69,7 @@ def narayanan_table1(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> 
                 row["published_tflops"] = float(ref["tflops_per_gpu"])
                 rows.append(row)
     table = pd.DataFrame(rows)
-    res = table.join(evaluate_table(table))
+    res = table.join(evaluate_table(table, timing=timing))
     res = res[res["mem_headroom_bytes"] >= 0]
     best = res.loc[res.groupby("model", sort=False)["time_step_s"].idxmin()]
     best = best.assign(predicted_tflops=best["achieved_flops_per_gpu"] / 1e12)
@@ -86,7 +88,9 @@ GPT_22B = ModelSpec(
 """The 22B GPT of Korthikanti et al. Table 4."""
 
 
-def korthikanti_table4(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -> pd.DataFrame:
+def korthikanti_table4(
+    hardware: str = "a100_80gb", cluster: str = "dgx_a100", timing: str = "roofline"
+) -> pd.DataFrame:
     model = GPT_22B
     hw, cl = load_hardware(hardware), load_cluster(cluster, num_gpus=8)
     training = TrainingSpec(seq_len=2048, global_batch_size=4)
@@ -102,7 +106,7 @@ def korthikanti_table4(hardware: str = "a100_80gb", cluster: str = "dgx_a100") -
         for r in refs
     ]
     table = pd.DataFrame([plan_row(model, training, p, hw, cl) for p in plans])
-    res = evaluate_table(table)
+    res = evaluate_table(table, timing=timing)
     out = pd.DataFrame(
         {
             "experiment": [r["experiment"] for r in refs],
