@@ -138,7 +138,7 @@ def named_outputs(names: list[str], values: np.ndarray) -> dict[str, float]:
     detail outputs (per-communicator bytes, per-stage figures) under their own names."""
     renamed, sums, extra = _row_layout(tuple(names))
     v = np.asarray(values, dtype=np.float64).reshape(-1).tolist()
-    named = {column: (v[i] if i >= 0 else math.nan) for i, column in renamed}
+    named = {column: (v[i] if i >= 0 else 0.0 if i == -2 else math.nan) for i, column in renamed}
     for column, rows in sums:
         named[column] = float(sum(v[i] for i in rows))
     for i, name in extra:
@@ -155,6 +155,8 @@ def _row_layout(names: tuple[str, ...]):
     renamed += [(where[s], d) for s, d in SERVING_COLUMNS.items() if s in where]
     if "params_active" not in where and "params_total" in where:  # dense: all weights active
         renamed.append((where["params_total"], "params_active"))
+    if "measured_share" not in where and "time_step_s" in where:  # roofline timing
+        renamed = [r for r in renamed if r[1] != "measured_share"] + [(-2, "measured_share")]
     sums: dict[str, list[int]] = {c: [] for c in COMM_COLUMNS[:-1]}
     for i, name in enumerate(names):
         if not name.startswith("comm_") or name == "comm_total":

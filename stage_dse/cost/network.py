@@ -1,0 +1,160 @@
+"""Collective and point-to-point times on a hierarchical network (the alpha-beta part of
+:mod:`stage_dse.cost.time`, whose module docstring describes the model and its sources)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+import sympy as sp
+
+from stage_dse.cost.derive import CostKey
+from stage_dse.cost.expr import _max, _min
+from stage_dse.graph.ir import CollKind
+from stage_dse.graph.symbols import DEGREE, S
+from stage_dse.spec import MeshAxis
+
+__all__ = ["collective_time", "embedding_sync_time", "group_tiers", "pipeline_hop_time"]
+
+
+def group_tiers(
+    group: Iterable[MeshAxis], rank_order: tuple[MeshAxis, ...]
+) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """(members per scale-up domain, domains spanned, span of global ranks) of a group.
+
+    With the first axis of ``rank_order`` varying fastest, axis ``a`` has stride ``s_a`` (product
+    of the degrees before it); a node of ``N`` consecutive ranks holds ``min(d_a, N / s_a)``
+    values of it (at least one). Exact when degrees and ``N`` are powers of two.
+    """
+    group = set(group)
+    stride: dict[MeshAxis, sp.Expr] = {}
+    acc: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        stride[axis] = acc
+        acc = acc * DEGREE[axis]
+    n_in: sp.Expr = sp.Integer(1)
+    n: sp.Expr = sp.Integer(1)
+    span: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        if axis not in group:
+            continue
+        d = DEGREE[axis]
+        n_in *= _max(1, _min(d, S.gpus_per_node / stride[axis]))
+        n *= d
+        span += stride[axis] * (d - 1)
+    return n_in, n / n_in, span
+
+
+def _ring(
+    kind: CollKind,
+    n_in: sp.Expr,
+    n_out: sp.Expr,
+    size_bytes: sp.Expr,
+    bw_in: sp.Expr,
+    bw_out: sp.Expr,
+    a_in: sp.Expr,
+    a_out: sp.Expr,
+    base: sp.Expr,
+) -> sp.Expr:
+    """Hierarchical ring (tree across domains for all-reduce) on one protocol."""
+    if kind is CollKind.ALL_REDUCE:
+        return (
+            2 * (n_in - 1) / n_in * size_bytes / bw_in
+            + 2 * (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + 2 * (n_in - 1) * a_in
+            + 2 * sp.log(n_out, 2) * a_out
+            + base
+        )
+    if kind in (CollKind.ALL_GATHER, CollKind.REDUCE_SCATTER):
+        # a ring through every rank: n - 1 steps, n_out - 1 of them cross the network (NCCL's
+        # latency model, src/graph/tuning.cc); all-reduce takes a tree across domains instead
+        return (
+            (n_in - 1) / n_in * size_bytes / bw_in
+            + (n_out - 1) / n_out * size_bytes / (n_in * bw_out)
+            + (n_in * n_out - n_out) * a_in
+            + (n_out - 1) * a_out
+            + base
+        )
+    n = n_in * n_out  # all-to-all
+    return (
+        (n_in - 1) / n * size_bytes / bw_in
+        + (n - n_in) / n * size_bytes / bw_out
+        + (n_in - 1) * a_in
+        + (n - n_in) * a_out
+        + base
+    )
+
+
+def collective_time(
+    kind: CollKind, group: Iterable[MeshAxis], size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+) -> sp.Expr:
+    """Seconds for one collective with a buffer of ``size_bytes`` per GPU (see module doc)."""
+    return _collective_time(kind, frozenset(group), sp.sympify(size_bytes), tuple(rank_order))
+
+
+@lru_cache(maxsize=4096)
+def _collective_time(
+    kind: CollKind, group: frozenset, size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+) -> sp.Expr:
+    # memoized: plan families share most of their collectives (same graph, other ZeRO stage
+    # or recompute mode), and building these expressions is most of a family's derivation
+    n_in, n_out, span = group_tiers(group, rank_order)
+    bw_in = S.intra_bandwidth * S.intra_efficiency
+    pod = sp.Piecewise((S.oversubscription, sp.Gt(span, S.pod_gpus, evaluate=False)), (1, True))
+    bw_out = S.inter_bandwidth * S.inter_efficiency / pod
+    a_in, a_out = S.intra_latency, S.inter_latency
+    if kind is CollKind.SEND_RECV:
+        # the slowest hop of the pipeline: over the NIC as soon as stages span domains
+        bw = sp.Piecewise((bw_out, n_out > 1), (bw_in, True))
+        lat = sp.Piecewise((a_out, n_out > 1), (a_in, True))
+        return _min(1, DEGREE[MeshAxis.PP] - 1) * (size_bytes / bw + lat)
+    if kind not in (
+        CollKind.ALL_REDUCE,
+        CollKind.ALL_GATHER,
+        CollKind.REDUCE_SCATTER,
+        CollKind.ALL_TO_ALL,
+    ):
+        raise ValueError(kind)
+    # a one-rank group moves nothing and costs nothing; any other collective pays a base
+    active = _min(1, n_in * n_out - 1)
+    simple = _ring(
+        kind, n_in, n_out, size_bytes, bw_in, bw_out, a_in, a_out,
+        active * S.collective_base_latency,
+    )  # fmt: skip
+    # the low-latency protocol: lower latencies, half the bandwidth (NCCL's LL; a cluster
+    # without one has the bandwidth protocol's latencies bound here, so it never wins)
+    ll = _ring(
+        kind, n_in, n_out, size_bytes, bw_in / 2, bw_out / 2, S.ll_intra_latency,
+        S.ll_inter_latency, active * S.ll_base_latency,
+    )  # fmt: skip
+    best = _min(simple, ll)
+    if kind is not CollKind.ALL_REDUCE:
+        return best
+    # inside one domain, small buffers go one-shot: each GPU reads its n - 1 peers' buffers
+    # over NVLink and reduces locally (TensorRT-LLM / vLLM custom all-reduce)
+    oneshot = S.oneshot_latency + (n_in - 1) * size_bytes / bw_in
+    in_domain = sp.Lt(n_out, sp.Rational(3, 2), evaluate=False)
+    has_oneshot = sp.Gt(S.oneshot_latency, 0, evaluate=False)
+    return sp.Piecewise(
+        (sp.Piecewise((_min(best, oneshot), has_oneshot), (best, True)), in_domain), (best, True)
+    )
+
+
+def pipeline_hop_time(boundary_bytes: sp.Expr, key: CostKey) -> sp.Expr:
+    """Seconds for one activation (or gradient) to cross a stage boundary. Without sequence
+    parallelism, Megatron-LM's scatter/gather optimization (Narayanan et al. sec. 4.1) sends a
+    1/tp slice over the network and all-gathers it over the tp group."""
+    if key.graph.sequence_parallel:
+        return collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary_bytes, key.rank_order)
+    return collective_time(
+        CollKind.SEND_RECV, {MeshAxis.PP}, boundary_bytes / S.tp, key.rank_order
+    ) + _min(1, S.pp - 1) * collective_time(
+        CollKind.ALL_GATHER, {MeshAxis.TP}, boundary_bytes, key.rank_order
+    )
+
+
+def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
+    """Seconds for the tied-embedding gradient all-reduce between the first and last stage of a
+    pipeline: a two-rank ring is a reduce-scatter and an all-gather, each moving half the
+    buffer over the pipeline's slowest hop (0 when pp == 1)."""
+    return 2 * collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, size_bytes / 2, rank_order)
