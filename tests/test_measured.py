@@ -227,3 +227,33 @@ def test_timing_must_be_a_known_source(capsys):
     assert err == [
         "stage-dse-validate: error: 'timing=silicon': expected timing=roofline or timing=measured"
     ]
+
+
+@needs_tables
+def test_collectives_across_domains_keep_the_network_part_and_measure_the_domain_part():
+    import sympy as sp
+
+    from stage_dse.cost.time import Kernel
+    from stage_dse.kernels.timing import kernel_seconds
+
+    tables = load_tables("h100_sxm")
+    kernel = Kernel(
+        "all_reduce",
+        (sp.Symbol("b"), sp.Symbol("n"), sp.Symbol("d"), sp.Symbol("i")),
+        sp.Symbol("r"),
+    )
+    size = 64 * 2**20
+    intra_roofline, full_roofline = 0.4e-3, 2.0e-3
+    shape_out = np.array(
+        [
+            [size, 8, 1, intra_roofline, intra_roofline],  # one domain of 8
+            [size, 8, 4, intra_roofline, full_roofline],  # 4 domains of 8
+            [size, 16, 1, intra_roofline, full_roofline],  # 16 per domain: no table
+        ]
+    )
+    seconds, measured = kernel_seconds([kernel], shape_out, tables)
+    table = float(tables.nccl["all_reduce", 8].lookup(size)[0])
+    assert seconds[:, 0] == pytest.approx(
+        [table, full_roofline - intra_roofline + table, full_roofline]
+    )
+    assert measured[:, 0].tolist() == [True, False, False]

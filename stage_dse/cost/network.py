@@ -14,7 +14,13 @@ from stage_dse.graph.ir import CollKind
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis
 
-__all__ = ["collective_time", "embedding_sync_time", "group_tiers", "pipeline_hop_time"]
+__all__ = [
+    "collective_time",
+    "domain_collective_time",
+    "embedding_sync_time",
+    "group_tiers",
+    "pipeline_hop_time",
+]
 
 
 def group_tiers(
@@ -99,8 +105,22 @@ def _collective_time(
     # memoized: plan families share most of their collectives (same graph, other ZeRO stage
     # or recompute mode), and building these expressions is most of a family's derivation
     n_in, n_out, span = group_tiers(group, rank_order)
+    return _tier_time(kind, n_in, n_out, span, size_bytes)
+
+
+def domain_collective_time(kind: CollKind, n_in: sp.Expr, size_bytes: sp.Expr) -> sp.Expr:
+    """Seconds of the same collective over ``n_in`` GPUs of one scale-up domain: the intra-
+    domain part of :func:`collective_time` (which measured timing replaces by a measurement)."""
+    return _tier_time(kind, n_in, sp.Integer(1), sp.Integer(1), sp.sympify(size_bytes))
+
+
+def _tier_time(
+    kind: CollKind, n_in: sp.Expr, n_out: sp.Expr, span: sp.Expr, size_bytes: sp.Expr
+) -> sp.Expr:
     bw_in = S.intra_bandwidth * S.intra_efficiency
-    pod = sp.Piecewise((S.oversubscription, sp.Gt(span, S.pod_gpus, evaluate=False)), (1, True))
+    pod = sp.Piecewise(
+        (S.oversubscription, sp.Gt(span, S.pod_gpus, evaluate=False)), (1, True), evaluate=False
+    )
     bw_out = S.inter_bandwidth * S.inter_efficiency / pod
     a_in, a_out = S.intra_latency, S.inter_latency
     if kind is CollKind.SEND_RECV:
@@ -135,9 +155,8 @@ def _collective_time(
     oneshot = S.oneshot_latency + (n_in - 1) * size_bytes / bw_in
     in_domain = sp.Lt(n_out, sp.Rational(3, 2), evaluate=False)
     has_oneshot = sp.Gt(S.oneshot_latency, 0, evaluate=False)
-    return sp.Piecewise(
-        (sp.Piecewise((_min(best, oneshot), has_oneshot), (best, True)), in_domain), (best, True)
-    )
+    inner = sp.Piecewise((_min(best, oneshot), has_oneshot), (best, True), evaluate=False)
+    return sp.Piecewise((inner, in_domain), (best, True), evaluate=False)
 
 
 def pipeline_hop_time(boundary_bytes: sp.Expr, key: CostKey) -> sp.Expr:

@@ -85,6 +85,7 @@ from stage_dse.cost.derive import (
 from stage_dse.cost.expr import _max, _min, _sum, first_max_weights
 from stage_dse.cost.network import (
     collective_time,
+    domain_collective_time,
     embedding_sync_time,
     group_tiers,
     pipeline_hop_time,
@@ -249,7 +250,8 @@ class Kernel:
     """``gemm``, ``attention``, or a collective kind (``all_reduce``, ``all_gather``, ...)."""
     shape: tuple[sp.Expr, ...]
     """gemm: (m, n, k, gemm bytes); attention: (batch, query sequence, query heads, key/value
-    heads, head dim, key sequence); collective: (bytes per GPU, GPUs per domain, domains)."""
+    heads, head dim, key sequence); collective: (bytes per GPU, GPUs per domain, domains, the
+    roofline seconds of its part inside one domain)."""
     roofline: sp.Expr
     scale: sp.Expr = sp.Integer(1)
 
@@ -308,7 +310,8 @@ def _coll_time(coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet |
     ):
         return t
     n_in, n_out, _ = group_tiers(frozenset(group), order)
-    return kernels.time(Kernel(coll.value, (size, n_in, n_out), t))
+    intra = domain_collective_time(coll, n_in, size)
+    return kernels.time(Kernel(coll.value, (size, n_in, n_out, intra), t))
 
 
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:

@@ -16,7 +16,9 @@ How an op meets a table (:class:`~stage_dse.cost.time.Kernel` gives its shape on
 * **Collectives** inside one scale-up domain of 2, 4 or 8 GPUs: the NCCL table of the same kind
   and GPU count, by bytes per GPU (all-gather: the gathered buffer; reduce-scatter: its input).
   Below the smallest measured message the smallest message's latency; beyond the largest,
-  linear in bytes. Groups that span domains stay on the alpha-beta model.
+  linear in bytes. A group spanning domains keeps the alpha-beta model for its scale-out part:
+  its time is the alpha-beta time with the intra-domain part (the same collective over the
+  domain's members) replaced by the measured one; ``measured_share`` counts it as roofline.
 
 Anything else, and any shape outside a table (including an unmeasured cell), keeps its roofline
 time and is counted as such.
@@ -51,21 +53,18 @@ def kernel_seconds(
     for table, js in by_table.items():
         n = len(kernels[js[0]].shape)
         shape = np.concatenate([shape_out[:, starts[j] : starts[j] + n] for j in js])
-        got, inside = _lookup(table, shape, tables)
+        if table in ("gemm", "attention"):
+            got, inside = _gemm(shape, tables) if table == "gemm" else _attention(shape, tables)
+            whole = inside
+        else:
+            full = roofline[:, js].T.reshape(-1)
+            got, inside, whole = _collective(table, shape, full, tables)
         scale = np.repeat([float(kernels[j].scale) for j in js], rows)
         got = (got * scale).reshape(len(js), rows).T
         inside = inside.reshape(len(js), rows).T
         seconds[:, js] = np.where(inside, got, roofline[:, js])
-        measured[:, js] = inside
+        measured[:, js] = whole.reshape(len(js), rows).T
     return seconds, measured
-
-
-def _lookup(table: str, shape: np.ndarray, tables: MeasuredTables):
-    if table == "gemm":
-        return _gemm(shape, tables)
-    if table == "attention":
-        return _attention(shape, tables)
-    return _collective(table, shape, tables)
 
 
 def _gemm(shape: np.ndarray, tables: MeasuredTables):
@@ -105,18 +104,23 @@ def _attention(shape: np.ndarray, tables: MeasuredTables):
     return out, inside
 
 
-def _collective(kind: str, shape: np.ndarray, tables: MeasuredTables):
-    size, n_in, n_out = shape.T
+def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: MeasuredTables):
+    """(seconds, timed with a measurement, timed wholly by one): inside one domain the
+    measured collective; across domains the alpha-beta time with its intra-domain part
+    replaced by the measured one (counted as roofline in ``measured_share``)."""
+    size, n_in, n_out, intra = shape.T
     out = np.full(len(shape), np.nan)
     inside = np.zeros(len(shape), dtype=bool)
-    one_domain = np.abs(n_out - 1.0) < 1e-9
     for gpus in (2, 4, 8):
         grid = tables.nccl.get((kind, gpus))
-        rows = one_domain & (np.abs(n_in - gpus) < 1e-9)
+        rows = np.abs(n_in - gpus) < 1e-9
         if grid is None or not rows.any():
             continue
         lo, hi = grid.axes[0][0], grid.axes[0][-1]
         got, ok = grid.lookup(np.clip(size[rows], lo, hi))
         out[rows] = got * np.maximum(1.0, size[rows] / hi)
         inside[rows] = ok
-    return out, inside
+    one_domain = np.abs(n_out - 1.0) < 1e-9
+    spans = inside & ~one_domain
+    out[spans] = np.maximum(roofline[spans] - intra[spans] + out[spans], roofline[spans] * 0.0)
+    return out, inside, inside & one_domain
