@@ -257,3 +257,21 @@ def test_collectives_across_domains_keep_the_network_part_and_measure_the_domain
         [table, full_roofline - intra_roofline + table, full_roofline]
     )
     assert measured[:, 0].tolist() == [True, False, False]
+
+
+@needs_tables
+def test_tables_are_cached_in_compact_form_and_read_back_equal(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
+    load_tables.cache_clear()
+    first = load_tables("a100_sxm")
+    (cached,) = tmp_path.glob("measured-a100_sxm-*.pkl")
+    assert cached.stat().st_size < 2e6
+    load_tables.cache_clear()
+    again = load_tables("a100_sxm")
+    assert again is not first and set(again.attention) == set(first.attention)
+    for key, grid in first.nccl.items():
+        assert np.array_equal(again.nccl[key].seconds, grid.seconds, equal_nan=True)
+    cached.write_bytes(b"truncated")  # a damaged copy is read from the package again
+    load_tables.cache_clear()
+    assert set(load_tables("a100_sxm").gemm) == {"bf16"}
+    load_tables.cache_clear()

@@ -22,6 +22,8 @@ worker).
 from __future__ import annotations
 
 import importlib.util
+import os
+import pickle
 from functools import lru_cache
 from pathlib import Path
 
@@ -97,9 +99,47 @@ def load_tables(gpu: str) -> MeasuredTables:
     if not (root / gpu).is_dir():
         have = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir()))
         raise ConfigError(f"hardware.measured_gpu={gpu!r} has no tables; tables exist for: {have}")
+    version = _newest(root / gpu / "gemm" / BACKEND)
+    cache = _cache_file(gpu, version)
+    if cache is not None and cache.is_file():
+        try:
+            return pickle.loads(cache.read_bytes())
+        except Exception:  # a truncated or foreign cache file is rebuilt, never trusted
+            cache.unlink(missing_ok=True)
+    tables = _read(root, gpu, version)
+    if cache is not None:
+        _store(cache, tables)
+    return tables
+
+
+def _cache_file(gpu: str, version: str) -> Path | None:
+    """The compact copy of a GPU's tables (pickled grids, a few hundred kB) in the compile
+    cache folder, keyed by the package's version and the collection's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from stage_dse.cost.compile import cache_dir
+
+    try:
+        package = installed("aiconfigurator-core")
+    except PackageNotFoundError:
+        return None
+    return cache_dir() / f"measured-{gpu}-{BACKEND}-{version}-aic{package}.pkl"
+
+
+def _store(path: Path, tables: MeasuredTables) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(pickle.dumps(tables))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder: the tables are read from the package each time
+        pass
+
+
+def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
     import pandas as pd
 
-    version = _newest(root / gpu / "gemm" / BACKEND)
     gemm_frame = pd.read_parquet(root / gpu / "gemm" / BACKEND / version / "gemm_perf.parquet")
     gemm = {}
     for ours, theirs in (("bf16", "bfloat16"), ("fp8", "fp8")):
