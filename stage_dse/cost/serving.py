@@ -35,7 +35,7 @@ import sympy as sp
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
 from stage_dse.cost.time import _compute_time, collective_time
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import CollKind, OpKind, Phase, Role
+from stage_dse.graph.ir import CollKind, OpKind, Phase, Region, Role
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
@@ -98,12 +98,13 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
 
 def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
-    compute, comm, mem, flops = [], [], [], []
+    compute, comm, mem, flops, attention = [], [], [], [], []
     for op in ops:
         if op.is_comm:
             comm.append(collective_time(op.coll, op.group, op.comm_bytes, order))
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
-            compute.append(_compute_time(op))
+            t = _compute_time(op)
+            (attention if op.region is Region.ATTENTION_CORE else compute).append(t)
             mem.append(op.bytes / (S.hbm_bandwidth * S.memory_efficiency))
             eff = S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency
             if op.matmul:
@@ -114,7 +115,8 @@ def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
     kv_local = _sum(t.local_bytes for t in caches)
     working = _peak_live_bytes(ops)
     return {
-        "time": _sum(compute) + _sum(comm),
+        "time": _sum(compute) + _sum(comm) + _sum(attention),
+        "attention_time": _sum(attention),
         "memory_time": _sum(mem),
         "compute_time": _sum(flops),
         "weights": weights,
@@ -152,6 +154,7 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
 
         passes[mode] = {
             "time": (total("time") + (pp - 1) * hop).xreplace(subs),
+            "attention_time": total("attention_time").xreplace(subs),
             "memory_time": (total("memory_time") / pp).xreplace(subs),
             "compute_time": (total("compute_time") / pp).xreplace(subs),
             "working": _peak(blk["working"], subs),
@@ -185,6 +188,11 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     out["serve_mem_headroom_bytes"] = S.usable_memory - out["serve_mem_total_bytes"]
     free = S.usable_memory - out["serve_weights_bytes"] - out["serve_working_bytes"]
     out["serve_kv_capacity_seqs"] = sp.floor(sp.Max(0, free, evaluate=False) / kv_per_seq_gpu)
+    # the attention-core kernels of each pass (what attends over the context), the rest being
+    # linear layers, norms, collectives and pipeline hops: the parts of a continuous-batching
+    # step (stage_dse.cost.batching)
+    out["serve_prefill_attention_s"] = pre["attention_time"]
+    out["serve_decode_attention_s"] = dec["attention_time"]
     out["serve_decode_memory_s"] = dec["memory_time"]
     out["serve_decode_compute_s"] = dec["compute_time"]
     out["serve_weight_read_s"] = out["serve_weights_bytes"] / S.hbm_bandwidth

@@ -1,0 +1,98 @@
+"""Continuous batching with chunked prefill (stage_dse.cost.batching)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.serving import evaluate_serving_table, serving_key
+from stage_dse.cost.table import config_row
+from stage_dse.errors import ConfigError
+from stage_dse.spec.serving import ServingSpec, serving_plan
+
+
+def serving_rows(model="llama3_8b", hardware="h100_sxm", tp=1, prompt=2048, out=256, **hw):
+    m, h = load_model(model), load_hardware(hardware, **hw)
+    serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=1)
+    plan = serving_plan(m, tp, 1, 1)
+    row = config_row(m, serving.step_like(h), plan, h, load_cluster("dgx_h100", num_gpus=tp))
+    row.update(workload="serving", kv_bytes=2, prompt=prompt, output_tokens=out, context=prompt)
+    return pd.DataFrame([row]), [serving_key(m, serving, plan)]
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "prompt"), [("llama3_8b", 1, 2048), ("llama3_70b", 8, 1000)]
+)
+def test_one_running_request_with_a_whole_prompt_budget_is_the_static_batch_of_one(
+    model, tp, prompt
+):
+    table, keys = serving_rows(model, tp=tp, prompt=prompt)
+    static = evaluate_serving_table(table, keys).iloc[0]
+    cb = continuous_batching(table, keys, max_running=1, prefill_budget=prompt).iloc[0]
+    assert cb["cb_ttft_s"] == pytest.approx(static["serve_ttft_s"], rel=1e-12)
+    assert cb["cb_tpot_s"] == pytest.approx(static["serve_tpot_s"], rel=1e-12)
+    # one request at a time: its prefill, then its 256 decode steps
+    per_request = static["serve_ttft_s"] + 256 * static["serve_tpot_s"]
+    assert cb["cb_requests_per_s"] == pytest.approx(1 / per_request, rel=1e-12)
+
+
+def test_tpot_grows_with_the_running_requests_and_so_does_throughput():
+    table, keys = serving_rows()
+    runs = [continuous_batching(table, keys, r, 2048).iloc[0] for r in (1, 2, 8, 32, 64)]
+    tpot = [r["cb_tpot_s"] for r in runs]
+    rate = [r["cb_tokens_per_s_per_gpu"] for r in runs]
+    assert all(a < b for a, b in itertools.pairwise(tpot))
+    assert all(a < b for a, b in itertools.pairwise(rate))
+
+
+def test_ttft_grows_with_the_arrival_rate_and_diverges_at_saturation():
+    table, keys = serving_rows()
+    saturated = continuous_batching(table, keys, 64, 512).iloc[0]
+    mu = saturated["cb_requests_per_s"]
+    ttft = [
+        continuous_batching(table, keys, 64, 512, rate).iloc[0]["cb_ttft_s"]
+        for rate in (0.0, 0.25 * mu, 0.5 * mu, 0.9 * mu)
+    ]
+    assert ttft[0] == pytest.approx(saturated["cb_ttft_s"])
+    assert all(a < b for a, b in itertools.pairwise(ttft))
+    # M/D/1: at half load the wait is half a service time
+    assert ttft[2] - ttft[0] == pytest.approx(0.5 / mu)
+    assert np.isinf(continuous_batching(table, keys, 64, 512, mu).iloc[0]["cb_ttft_s"])
+
+
+def test_the_kv_cache_caps_the_running_requests():
+    table, keys = serving_rows()
+    big = continuous_batching(table, keys, 100_000, 2048).iloc[0]
+    assert big["cb_running"] == big["cb_kv_capacity_seqs"] > 50
+    small_table, small_keys = serving_rows(hbm_gib=40)
+    small = continuous_batching(small_table, small_keys, 100_000, 2048).iloc[0]
+    assert 0 < small["cb_running"] == small["cb_kv_capacity_seqs"] < big["cb_running"]
+    # capacity x bytes per sequence fits in what weights and the working set leave
+    per_seq = evaluate_serving_table(table, keys).iloc[0]["serve_kv_cache_bytes"]
+    assert big["cb_running"] * per_seq <= table["usable_memory"].iloc[0]
+
+
+def test_a_larger_prefill_budget_shortens_ttft_when_prefill_bound():
+    table, keys = serving_rows()
+    ttft = [continuous_batching(table, keys, 256, c).iloc[0]["cb_ttft_s"] for c in (256, 512, 2048)]
+    assert ttft[0] > ttft[1] > ttft[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_running": 0}, "serving.max_running"),
+        ({"prefill_budget": 0.5}, "serving.prefill_budget"),
+        ({"arrival_rate": -1}, "serving.arrival_rate"),
+    ],
+)
+def test_bad_batching_inputs_name_the_field(kwargs, field):
+    table, keys = serving_rows()
+    args = {"max_running": 8, "prefill_budget": 512, **kwargs}
+    with pytest.raises(ConfigError, match=field):
+        continuous_batching(table, keys, **args)
