@@ -96,3 +96,52 @@ def test_bad_batching_inputs_name_the_field(kwargs, field):
     args = {"max_running": 8, "prefill_budget": 512, **kwargs}
     with pytest.raises(ConfigError, match=field):
         continuous_batching(table, keys, **args)
+
+
+def static_at(model="llama3_8b", hardware="h100_sxm", tp=1, batch=1, prompt=2048, out=256):
+    m, h = load_model(model), load_hardware(hardware)
+    serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=batch)
+    plan = serving_plan(m, tp, 1, batch)
+    row = config_row(m, serving.step_like(h), plan, h, load_cluster("dgx_h100", num_gpus=tp))
+    row.update(workload="serving", kv_bytes=2, prompt=prompt, output_tokens=out, context=prompt)
+    return evaluate_serving_table(pd.DataFrame([row]), [serving_key(m, serving, plan)])
+
+
+def test_kv_transfer_bytes_are_the_cache_layouts_bytes():
+    from stage_dse.cost.disagg import kv_transfer_bytes
+
+    prefill = static_at("llama3_8b", prompt=3000)
+    # Llama-3-8B: 32 layers x 2 (keys, values) x 8 kv heads x 128 dims x 2 bytes per token
+    assert kv_transfer_bytes(prefill, 3000)[0] == 3000 * 32 * 2 * 8 * 128 * 2
+
+
+def test_disaggregated_on_a_free_network_is_two_independent_pools():
+    from stage_dse.cost.disagg import best_ratio, disaggregated
+
+    prefill, decode = static_at(tp=1, batch=1), static_at(tp=2, batch=64)
+    per = disaggregated(
+        prefill, decode, prompt=2048, output_tokens=256, prefill_batch=1, decode_batch=64,
+        prefill_gpus=1, decode_gpus=2, link_bytes_per_s=np.inf,
+    )  # fmt: skip
+    row = per.iloc[0]
+    assert row["dis_ttft_s"] == prefill["serve_ttft_s"].iloc[0]
+    assert row["dis_tpot_s"] == decode["serve_tpot_s"].iloc[0]
+    mu_p = 1 / prefill["serve_ttft_s"].iloc[0]
+    mu_d = 64 / (256 * decode["serve_tpot_s"].iloc[0])
+    best = best_ratio(per, 256).iloc[0]
+    x, y = best["dis_prefill_replicas"], best["dis_decode_replicas"]
+    assert best["dis_requests_per_s"] == pytest.approx(min(x * mu_p, y * mu_d))
+    assert best["dis_gpus"] == x * 1 + y * 2
+    # no other pair of up to 8 replicas each gives more tokens/s per GPU
+    for a in range(1, 9):
+        for b in range(1, 9):
+            assert (
+                min(a * mu_p, b * mu_d) * 256 / (a + 2 * b)
+                <= best["dis_tokens_per_s_per_gpu"] + 1e-9
+            )
+    # a real network adds the transfer of the prompt's cache to TTFT
+    slow = disaggregated(
+        prefill, decode, prompt=2048, output_tokens=256, prefill_batch=1, decode_batch=64,
+        prefill_gpus=1, decode_gpus=2, link_bytes_per_s=50e9, link_latency_s=1e-5,
+    ).iloc[0]  # fmt: skip
+    assert slow["dis_ttft_s"] - row["dis_ttft_s"] == pytest.approx(2048 * 131072 / 50e9 + 1e-5)
