@@ -1,0 +1,81 @@
+"""recommend: the fewest GPUs that serve a request rate within TTFT and TPOT targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.errors import ConfigError
+from stage_dse.runner.recommend import recommend
+
+TARGET, TTFT, TPOT = 20.0, 1.0, 0.05
+
+
+@pytest.fixture(scope="module")
+def answer():
+    return recommend(
+        load_model("llama3_70b"),
+        load_hardware("h100_sxm"),
+        load_cluster("dgx_h100", num_gpus=8),
+        prompt=2048,
+        output_tokens=256,
+        target_requests_per_s=TARGET,
+        ttft_sla_s=TTFT,
+        tpot_sla_s=TPOT,
+    )
+
+
+def md1_ttft(ttft0, mu, load):
+    rho = load / mu
+    return np.inf if rho >= 1 else ttft0 + rho / (2 * (1 - rho)) / mu
+
+
+def test_aggregated_answer_meets_the_sla_and_one_replica_fewer_does_not(answer):
+    best = answer.aggregated.iloc[0]
+    n, mu = best["replicas"], best["replica_requests_per_s"]
+    assert best["tpot_s"] <= TPOT
+    assert md1_ttft(best["ttft_s"], mu, TARGET / n) <= TTFT + 1e-12
+    assert md1_ttft(best["ttft_s"], mu, TARGET / (n - 1)) > TTFT
+    assert best["gpus"] == n * best["tp"]
+    assert (answer.aggregated["gpus"] >= best["gpus"]).all()
+
+
+def test_disaggregated_answer_sizes_both_pools(answer):
+    best = answer.disaggregated.iloc[0]
+    assert best["tpot_s"] <= TPOT and best["ttft_s"] <= TTFT
+    assert best["gpus"] == (
+        best["prefill_replicas"] * best["prefill_tp"] + best["decode_replicas"] * best["decode_tp"]
+    )
+    assert (answer.disaggregated["gpus"] >= best["gpus"]).all()
+
+
+def test_an_impossible_target_names_the_nearest_miss():
+    answer = recommend(
+        load_model("llama3_70b"),
+        load_hardware("h100_sxm"),
+        load_cluster("dgx_h100", num_gpus=8),
+        prompt=2048,
+        output_tokens=256,
+        target_requests_per_s=5,
+        ttft_sla_s=1.0,
+        tpot_sla_s=0.002,  # 2 ms per token: below any 70B decode step on H100
+    )
+    assert answer.aggregated.empty and answer.disaggregated.empty
+    near = answer.near_miss.iloc[0]
+    assert near["miss"] > 1 and near["miss"] == answer.near_miss["miss"].min()
+    assert near["tpot_s"] / 0.002 == pytest.approx(near["miss"])
+
+
+def test_targets_must_be_positive():
+    with pytest.raises(ConfigError, match="tpot_sla_s must be > 0, got 0"):
+        recommend(
+            load_model("llama3_8b"),
+            load_hardware("h100_sxm"),
+            load_cluster("dgx_h100", num_gpus=8),
+            prompt=1024,
+            output_tokens=128,
+            target_requests_per_s=1,
+            ttft_sla_s=1,
+            tpot_sla_s=0,
+        )
