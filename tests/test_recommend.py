@@ -79,3 +79,45 @@ def test_targets_must_be_positive():
             ttft_sla_s=1,
             tpot_sla_s=0,
         )
+
+
+def test_the_sla_sweep_prints_its_front_and_both_recommendations(tmp_path, capsys):
+    from test_sweep import compose_cfg
+
+    from stage_dse.cli import run
+    from stage_dse.results import load
+
+    run(compose_cfg(["+sweep=llama3_70b_serving_sla", f"results_dir={tmp_path}"]))
+    out = capsys.readouterr().out
+    assert "Pareto front of tokens/s per GPU vs tokens/s per user" in out
+    for hw in ("h100_sxm", "h200"):
+        block = out.split(f"\n{hw}:\n")[1]
+        assert block.lstrip().startswith("aggregated:") and "disaggregated:" in block
+    rows = load(tmp_path / "llama3_70b_serving_sla")
+    assert set(rows["serving_mode"]) == {"continuous"} and rows["config_hash"].is_unique
+    assert set(rows["hardware"]) == {"h100_sxm", "h200"}
+    assert (rows["requests_per_s"] > 0).all() and (rows["tokens_per_s_per_user"] > 0).all()
+    # the same layouts as static rows hash differently (the scheduler is part of the question)
+    run(
+        compose_cfg(
+            [
+                "+sweep=llama3_70b_serving_sla",
+                f"results_dir={tmp_path}",
+                "sweep_name=static",
+                "serving.mode=static",
+                "serving.target_requests_per_s=0",
+            ]
+        )
+    )
+    static = load(tmp_path / "static")
+    assert not set(static["config_hash"]) & set(rows["config_hash"])
+
+
+def test_recommend_mode_needs_targets(tmp_path):
+    from test_sweep import compose_cfg
+
+    from stage_dse.cli import run
+    from stage_dse.errors import StageDseError
+
+    with pytest.raises(StageDseError, match=r"serving\.sla\.ttft_ms and serving\.sla\.tpot_ms"):
+        run(compose_cfg(["mode=recommend", "model=llama3_8b", f"results_dir={tmp_path}"]))

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import hydra
+import numpy as np
 from omegaconf import DictConfig
 
 from stage_dse.cli._common import check_jobs, fail, precheck
@@ -84,6 +85,8 @@ def run(cfg: DictConfig) -> int:
     from stage_dse.runner.sweep import run_grid, top_table
 
     check_top_level(cfg)
+    if cfg.mode == "recommend":
+        return _run_recommend(cfg)
     if cfg.workload == "serving":
         return _run_serving(cfg)
     if cfg.workload != "training":
@@ -199,7 +202,106 @@ def _run_serving(cfg: DictConfig) -> int:
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
     print(top.to_string(index=False) if len(top) else "  none fits")
+    ttft_ms, tpot_ms = _sla(cfg)
+    if ttft_ms or tpot_ms:
+        from stage_dse.results.analysis import pareto
+
+        ok = df[df["status"] == "ok"]
+        meets = ok[
+            (ok["ttft_s"] * 1e3 <= (ttft_ms or np.inf))
+            & (ok["tpot_s"] * 1e3 <= (tpot_ms or np.inf))
+        ]
+        per_user = 1.0 / meets["tpot_s"]
+        scored = meets.assign(neg_gpu=-meets["decode_tokens_per_s_per_gpu"], neg_user=-per_user)
+        front = pareto(scored, ["neg_gpu", "neg_user"]).sort_values("neg_user")
+        print(
+            f"\nPareto front of tokens/s per GPU vs tokens/s per user within TTFT <= "
+            f"{ttft_ms or 'any'} ms, TPOT <= {tpot_ms or 'any'} ms "
+            f"({len(meets):,} of {len(ok):,} configurations meet the targets):"
+        )
+        table = serving_top_table(front, len(front), by="tpot_s")
+        print(table.to_string(index=False) if len(table) else "  none meets the targets")
+    if cfg.serving.target_requests_per_s and ttft_ms and tpot_ms:
+        print()
+        _run_recommend(cfg)
     return report.evaluated
+
+
+def _sla(cfg: DictConfig) -> tuple[float | None, float | None]:
+    sla = cfg.serving.sla
+    for name in ("ttft_ms", "tpot_ms"):
+        value = sla[name]
+        if value is not None and not value > 0:
+            raise StageDseError(f"serving.sla.{name} must be > 0, got {value}")
+    return sla.ttft_ms, sla.tpot_ms
+
+
+def _run_recommend(cfg: DictConfig) -> int:
+    """``mode=recommend``: the fewest GPUs serving ``serving.target_requests_per_s`` within
+    ``serving.sla`` on each hardware, aggregated and disaggregated."""
+    from stage_dse.config.schema import to_serving_sweep
+    from stage_dse.runner.recommend import recommend
+
+    spec = to_serving_sweep(cfg)
+    ttft_ms, tpot_ms = _sla(cfg)
+    target = cfg.serving.target_requests_per_s
+    if not (ttft_ms and tpot_ms):
+        raise StageDseError("mode=recommend needs serving.sla.ttft_ms and serving.sla.tpot_ms")
+    if not target > 0:
+        raise StageDseError(f"mode=recommend needs serving.target_requests_per_s > 0, got {target}")
+    prompt = spec.prompt_lens[0]
+    print(
+        f"recommend {spec.model.name}: {target:g} requests/s of {prompt} prompt + "
+        f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
+        f"{tpot_ms:g} ms"
+    )
+    tps = tuple(divisors_up_to(spec.model.num_kv_heads, spec.cluster.gpus_per_node))
+    for hw in spec.hardware:
+        answer = recommend(
+            spec.model,
+            hw,
+            spec.cluster,
+            prompt=prompt,
+            output_tokens=spec.output_tokens,
+            target_requests_per_s=target,
+            ttft_sla_s=ttft_ms / 1e3,
+            tpot_sla_s=tpot_ms / 1e3,
+            tps=tps,
+        )
+        print(f"\n{hw.name}:")
+        if len(answer.aggregated):
+            a = answer.aggregated.iloc[0]
+            print(
+                f"  aggregated:    {a.gpus:.0f} GPUs = {a.replicas:.0f} replicas x tp {a.tp} "
+                f"(max_running {a.max_running}, prefill budget {a.prefill_budget}); TTFT "
+                f"{a.ttft_s * 1e3:.0f} ms unqueued, TPOT {a.tpot_s * 1e3:.1f} ms, "
+                f"{a.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
+            )
+        else:
+            print("  aggregated:    no layout meets the targets")
+        if len(answer.disaggregated):
+            d = answer.disaggregated.iloc[0]
+            print(
+                f"  disaggregated: {d.gpus:.0f} GPUs = {d.prefill_replicas:.0f} prefill x tp "
+                f"{d.prefill_tp} + {d.decode_replicas:.0f} decode x tp {d.decode_tp} (batch "
+                f"{d.decode_batch}); TTFT {d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
+                f"{d.tpot_s * 1e3:.1f} ms, {d.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
+            )
+        else:
+            print("  disaggregated: no pair of pools meets the targets")
+        if len(answer.near_miss):
+            m = answer.near_miss.iloc[0]
+            which = "TPOT" if m.tpot_s / (tpot_ms / 1e3) >= m.ttft_s / (ttft_ms / 1e3) else "TTFT"
+            print(
+                f"  nearest miss:  {m.kind} (TTFT {m.ttft_s * 1e3:.0f} ms, TPOT "
+                f"{m.tpot_s * 1e3:.1f} ms) misses its {which} target by "
+                f"{100 * (m.miss - 1):.0f}%"
+            )
+    return 0
+
+
+def divisors_up_to(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")

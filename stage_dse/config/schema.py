@@ -176,6 +176,14 @@ class RunnerConf:
 
 
 @dataclass
+class SlaConf:
+    """Latency targets of a serving deployment (null: no target)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@dataclass
 class ServingConf:
     """Serving sweep (``workload=serving``): tp/pp per replica, batches, prompt lengths."""
 
@@ -192,6 +200,16 @@ class ServingConf:
     """Hardware presets to compare (default: the hardware group)."""
     phase: str = "decode"
     """The pass ``stage-dse-trace config`` writes: ``decode`` (steps) or ``prefill``."""
+    mode: str = "static"
+    """static (batch prefilled then decoded) or continuous (iteration-level batching with
+    chunked prefill; batch_size lists the most running requests)."""
+    prefill_budget: list[int] = field(default_factory=lambda: [2048])
+    """Continuous batching: prompt tokens per engine step."""
+    arrival_rate: float = 0.0
+    """Continuous batching: requests/s per replica (0: saturated, no queueing)."""
+    sla: SlaConf = field(default_factory=lambda: SlaConf())
+    target_requests_per_s: float = 0.0
+    """mode=recommend: the request rate to serve."""
 
 
 @dataclass
@@ -326,7 +344,7 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
     budget = c["budget"]
     mem = budget.get("memory_gib")
     if c["mode"] not in ("sweep", "budget"):
-        raise ConfigError(f"mode={c['mode']!r} is not one of: sweep, budget")
+        raise ConfigError(f"mode={c['mode']!r} is not one of: sweep, budget, recommend")
     if c["mode"] == "budget":
         if budget.get("max_gpus") is not None:
             if budget["max_gpus"] <= 0:
@@ -425,6 +443,17 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"serving.{name} values must be integers > 0, got {v!r}")
+    mode = sv.get("mode", "static")
+    if mode not in ("static", "continuous"):
+        raise ConfigError(f"serving.mode={mode!r} is not one of: static, continuous")
+    budgets = (
+        sv["prefill_budget"] if isinstance(sv["prefill_budget"], list) else [sv["prefill_budget"]]
+    )
+    for v in budgets:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"serving.prefill_budget values must be integers > 0, got {v!r}")
+    if not float(sv["arrival_rate"]) >= 0:
+        raise ConfigError(f"serving.arrival_rate must be >= 0, got {sv['arrival_rate']}")
     # serving rows never share a folder with training rows: the default name gets a suffix
     name = c["sweep_name"] if c["sweep_name"] != "default" else "default_serving"
     return ServingSweepSpec(
@@ -440,4 +469,7 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         output_tokens=sv["output_tokens"],
         kv_dtype=sv["kv_dtype"],
         weights_dtype=sv["weights_dtype"],
+        mode=mode,
+        prefill_budgets=tuple(budgets),
+        arrival_rate=float(sv["arrival_rate"]),
     )

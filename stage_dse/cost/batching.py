@@ -127,8 +127,10 @@ def continuous_batching(
             "cb_tokens_per_s_per_gpu": mu * out_len / gpus,
             "cb_tokens_per_s_per_user": 1.0 / tpot,
             "cb_kv_capacity_seqs": capacity,
+            "cb_working_bytes": widest["serve_working_bytes"].to_numpy(),
         },
         index=table.index,
     )
-    out.loc[~ok, [c for c in out.columns if c != "cb_kv_capacity_seqs"]] = np.nan
+    kept = ("cb_kv_capacity_seqs", "cb_working_bytes")
+    out.loc[~ok, [c for c in out.columns if c not in kept]] = np.nan
     return out

@@ -73,6 +73,8 @@ SERVING_COLUMNS: dict[str, str] = {
     "serve_decode_memory_s": "decode_memory_s",
     "serve_decode_compute_s": "decode_compute_s",
     "serve_weight_read_s": "weight_read_s",
+    "cb_requests_per_s": "requests_per_s",
+    "cb_tokens_per_s_per_user": "tokens_per_s_per_user",
 }
 """Serving outputs (rows with ``workload == "serving"``; null for training rows)."""
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")

@@ -73,6 +73,9 @@ _fields = [
     pa.field("status", LABEL),
     pa.field("reason", LABEL),
     pa.field("timing", LABEL),
+    pa.field("serving_mode", LABEL),
+    pa.field("prefill_budget", pa.float64()),
+    pa.field("arrival_rate", pa.float64()),
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -157,6 +160,16 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         for i, c in enumerate(HASH_ORDER):
             v = _hash_input(source[c], c in STRING_CONFIG)
             h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
+        # continuous batching: the scheduler's budget and the load are part of the question
+        if "serving_mode" in source:
+            mode = np.asarray(source["serving_mode"], dtype=str)
+            continuous = mode == "continuous"
+            if continuous.any():
+                extra = _mix(h ^ _stable64("serving_mode=continuous"))
+                for i, c in enumerate(("prefill_budget", "arrival_rate")):
+                    v = _hash_input(source[c], False)
+                    extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
+                h = np.where(continuous, extra, h)
         # measured timing makes other results of the same configuration; roofline rows keep
         # the hashes they always had
         if "timing" in source:

@@ -253,6 +253,10 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
+        elif name == "serving_mode":
+            arrays.append(pa.nulls(n, field.type))
+        elif name in ("prefill_budget", "arrival_rate"):
+            arrays.append(pa.nulls(n, pa.float64()))
         elif name == "timing":
             arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))
         elif name == "trace_dir":

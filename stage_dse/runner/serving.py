@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
+from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.columns import SERVING_COLUMNS
 from stage_dse.cost.serving import evaluate_serving_table, serving_key
 from stage_dse.cost.table import config_row
@@ -52,10 +53,15 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
     model = spec.model
     tps = divisors(model.num_heads) if spec.tp == "auto" else list(spec.tp)
     rows, keys = [], []
-    for hw, tp, pp, ep, batch, prompt in itertools.product(
-        spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, spec.prompt_lens
+    continuous = spec.mode == "continuous"
+    budgets = spec.prefill_budgets if continuous else (None,)
+    for hw, tp, pp, ep, batch, prompt, budget in itertools.product(
+        spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, spec.prompt_lens, budgets
     ):
         report.candidates += 1
+        if continuous and pp != 1:
+            report.rejected["continuous batching is modelled for pp = 1"] += 1
+            continue
         try:
             serving = ServingSpec(
                 prompt_len=prompt,
@@ -79,6 +85,9 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "prompt": prompt,
                 "output_tokens": spec.output_tokens,
                 "context": prompt,
+                "serving_mode": spec.mode,
+                "prefill_budget": float(budget) if continuous else np.nan,
+                "arrival_rate": spec.arrival_rate if continuous else np.nan,
             }
         )
         rows.append(row)
@@ -104,9 +113,14 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
         keys = [k for k, kept in zip(keys, keep) if kept]
         if len(table):
             costs = evaluate_serving_table(table, keys)
+            if continuous:
+                costs = _continuous(table, keys, costs)
             out = finalize_rows(table, None, spec.name, report.run_id)
             for src, dst in SERVING_COLUMNS.items():
-                out[dst] = costs[src].to_numpy()
+                if src in costs:
+                    out[dst] = costs[src].to_numpy()
+            for col in ("serving_mode", "prefill_budget", "arrival_rate"):
+                out[col] = table[col].to_numpy()
             out["mem_weights_bytes"] = out["serve_weights_bytes"]
             out["mem_total_bytes"] = out["serve_mem_total_bytes"]
             out["mem_headroom_bytes"] = out["serve_mem_headroom_bytes"]
@@ -122,6 +136,39 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
     return report
 
 
+def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame) -> pd.DataFrame:
+    """Serving outputs of continuous-batching rows: the steady state replaces the static
+    latencies and throughput; memory holds the KV cache of the requests that actually run
+    (at most the capacity)."""
+    cb = continuous_batching(
+        table,
+        keys,
+        table["micro_batch"].to_numpy(float),
+        table["prefill_budget"].to_numpy(float),
+        table["arrival_rate"].to_numpy(float),
+    )
+    out = static.copy()
+    per_seq = static["serve_kv_cache_bytes"] / table["micro_batch"]
+    running = cb["cb_running"].fillna(0.0)
+    out["serve_kv_cache_bytes"] = running * per_seq
+    out["serve_working_bytes"] = cb["cb_working_bytes"]  # the widest engine step's
+    out["serve_mem_total_bytes"] = (
+        out["serve_weights_bytes"] + out["serve_kv_cache_bytes"] + out["serve_working_bytes"]
+    )
+    usable = table["usable_memory"].to_numpy(float)
+    # no request fits: reported as short by one sequence's cache
+    out["serve_mem_headroom_bytes"] = np.where(
+        cb["cb_running"].notna(), usable - out["serve_mem_total_bytes"], -per_seq
+    )
+    out["serve_ttft_s"] = cb["cb_ttft_s"]
+    out["serve_tpot_s"] = cb["cb_tpot_s"]
+    out["serve_tokens_per_s_per_gpu"] = cb["cb_tokens_per_s_per_gpu"]
+    out["serve_kv_capacity_seqs"] = cb["cb_kv_capacity_seqs"]
+    out["cb_requests_per_s"] = cb["cb_requests_per_s"]
+    out["cb_tokens_per_s_per_user"] = cb["cb_tokens_per_s_per_user"]
+    return out
+
+
 _PLAN_VALUE = re.compile(r"\b(tp|pp|ep|dp|batch_size|prompt_len)\(\d+\)")
 
 
@@ -134,6 +181,25 @@ def _rule(message: str) -> str:
 def serving_top_table(df: pd.DataFrame, k: int = 10, by: str = "decode_tokens_per_s_per_gpu"):
     ok = df[(df["status"] == "ok") & (df["workload"] == "serving")]
     best = ok.sort_values(by, ascending=by not in ("decode_tokens_per_s_per_gpu",)).head(k)
+    if len(best) and (best["serving_mode"].astype(str) == "continuous").all():
+        return pd.DataFrame(
+            {
+                "model": best["model"],
+                "hardware": best["hardware"],
+                "tp": best["tp"],
+                "ep": best["ep"],
+                "max_running": best["micro_batch"],
+                "budget": best["prefill_budget"].astype(int),
+                "prompt": best["prompt"],
+                "ttft_ms": (best["ttft_s"] * 1e3).round(1),
+                "tpot_ms": (best["tpot_s"] * 1e3).round(2),
+                "req_s": best["requests_per_s"].round(2),
+                "tok_s_gpu": best["decode_tokens_per_s_per_gpu"].round(0),
+                "tok_s_user": best["tokens_per_s_per_user"].round(1),
+                "mem_gib": (best["mem_total_bytes"] / GIB).round(1),
+                "kv_capacity": best["kv_capacity_seqs"],
+            }
+        ).reset_index(drop=True)
     return pd.DataFrame(
         {
             "model": best["model"],

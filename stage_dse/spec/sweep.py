@@ -202,3 +202,10 @@ class ServingSweepSpec:
     output_tokens: int = 256
     kv_dtype: str = "bf16"
     weights_dtype: str = "bf16"
+    mode: str = "static"
+    """``static`` (a batch prefilled, then decoded together) or ``continuous`` (iteration-level
+    batching with chunked prefill: ``batch_sizes`` are the most running requests)."""
+    prefill_budgets: Sequence[int] = (2048,)
+    """Continuous batching: prompt tokens per engine step (the chunk)."""
+    arrival_rate: float = 0.0
+    """Continuous batching: requests/s offered to each replica (0: saturated)."""
