@@ -488,7 +488,7 @@ def test_summary_covers_only_the_rows_of_this_run(tmp_path, capsys):
     assert others > 0 and f"{others:,} other rows in the folder are not shown" in out
 
 
-def test_plot_keeps_questions_apart_and_ignores_serving_rows(tmp_path):
+def test_plot_keeps_questions_apart_and_serving_rows_in_their_own_figure(tmp_path):
     """Training runs of two sequence lengths and a serving run in one folder: the plots draw
     one series per question and do not trip over serving rows (which have no step time)."""
     from stage_dse.results.plots import plot_results
@@ -507,6 +507,7 @@ def test_plot_keeps_questions_apart_and_ignores_serving_rows(tmp_path):
     assert set(df["workload"].astype(str)) == {"training", "serving"}
     files = plot_results(tmp_path / "mixed", tmp_path / "png")
     assert [f.name for f in files] == [
+        "serving_pareto.png",  # serving rows get their own figure
         "step_time_vs_gpus.png",
         "pareto_time_memory.png",
         "memory_breakdown.png",

@@ -4,7 +4,8 @@
   hardware);
 * ``pareto_time_memory.png``: all feasible plans and their Pareto front of step time vs memory
   per GPU;
-* ``memory_breakdown.png``: weights / gradients / optimizer / activations of the fastest plans.
+* ``memory_breakdown.png``: weights / gradients / optimizer / activations of the fastest plans;
+* ``serving_pareto.png`` (serving rows): output tokens/s per GPU against tokens/s per user.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ GIB = 2.0**30
 
 def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]:
     df = load(path)
-    # training plans only (serving rows have no step time); one series per model, hardware
-    # and training step, so runs of different questions are never joined into one line
-    ok = df[(df["status"] == "ok") & (df["workload"].astype(str) == "training")]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    serving = df[(df["status"] == "ok") & (df["workload"].astype(str) == "serving")]
     written: list[Path] = []
+    if len(serving):
+        written.append(_serving_front(serving, out / "serving_pareto.png"))
+    # training plans (serving rows have no step time); one series per model, hardware
+    # and training step, so runs of different questions are never joined into one line
+    ok = df[(df["status"] == "ok") & (df["workload"].astype(str) == "training")]
     if len(ok) == 0:
         return written
     series = ["model", "hardware", "seq", "global_batch"]
@@ -107,6 +111,39 @@ def plot_results(path: str | Path, out: str | Path, top: int = 10) -> list[Path]
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "memory_breakdown.png"))
     return written
+
+
+def _serving_front(rows, path: Path) -> Path:
+    """Tokens/s per GPU against tokens/s per user (1 / TPOT) of every serving configuration,
+    and the Pareto front of each (model, hardware, prompt, mode)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = ["model", "hardware", "prompt", "serving_mode"]
+    rows = rows.assign(
+        per_user=1.0 / rows["tpot_s"],
+        per_gpu=rows["decode_tokens_per_s_per_gpu"],
+        serving_mode=rows["serving_mode"].astype(str).replace("None", "static"),
+    )
+    for i, (key, group) in enumerate(rows.groupby(series, observed=True)):
+        color = f"C{i % 10}"
+        ax.scatter(group["per_user"], group["per_gpu"], s=6, alpha=0.3, color=color)
+        scored = group.assign(neg_user=-group["per_user"], neg_gpu=-group["per_gpu"])
+        front = pareto(scored, ["neg_user", "neg_gpu"]).sort_values("per_user")
+        model, hw, prompt, mode = key
+        ax.plot(
+            front["per_user"],
+            front["per_gpu"],
+            color=color,
+            marker="o",
+            drawstyle="steps-pre",
+            label=f"{model} / {hw} / prompt {prompt} / {mode}",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens/s per user (1 / TPOT)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title("Serving: throughput against interactivity (Pareto fronts)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
