@@ -145,3 +145,18 @@ def test_disaggregated_on_a_free_network_is_two_independent_pools():
         prefill_gpus=1, decode_gpus=2, link_bytes_per_s=50e9, link_latency_s=1e-5,
     ).iloc[0]  # fmt: skip
     assert slow["dis_ttft_s"] - row["dis_ttft_s"] == pytest.approx(2048 * 131072 / 50e9 + 1e-5)
+
+
+def test_speculative_decoding_pays_for_itself_only_when_drafts_are_accepted():
+    table, keys = serving_rows()
+    plain = continuous_batching(table, keys, 32, 2048).iloc[0]
+    none = continuous_batching(table, keys, 32, 2048, draft_tokens=0, acceptance=0.9).iloc[0]
+    assert none["cb_tpot_s"] == plain["cb_tpot_s"]  # no drafts: acceptance is moot
+    rejected = continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=0.0).iloc[0]
+    accepted = continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=0.8).iloc[0]
+    assert rejected["cb_tpot_s"] > plain["cb_tpot_s"]  # verification and drafting, no gain
+    # 1.8 tokens per step for a step that costs far less than twice as much (memory bound)
+    assert accepted["cb_tpot_s"] < 0.75 * plain["cb_tpot_s"]
+    assert accepted["cb_tokens_per_s_per_gpu"] > plain["cb_tokens_per_s_per_gpu"]
+    with pytest.raises(ConfigError, match=r"serving\.acceptance must be in \[0, 1\)"):
+        continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=1.0)

@@ -207,6 +207,10 @@ class ServingConf:
     """Continuous batching: prompt tokens per engine step."""
     arrival_rate: float = 0.0
     """Continuous batching: requests/s per replica (0: saturated, no queueing)."""
+    draft_tokens: int = 0
+    """Continuous batching: speculative decoding, tokens drafted per step (MTP: 1)."""
+    acceptance: float = 0.0
+    """Continuous batching: acceptance rate of a drafted token, in [0, 1)."""
     sla: SlaConf = field(default_factory=lambda: SlaConf())
     target_requests_per_s: float = 0.0
     """mode=recommend: the request rate to serve."""
@@ -452,6 +456,10 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
     for v in budgets:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"serving.prefill_budget values must be integers > 0, got {v!r}")
+    if isinstance(sv["draft_tokens"], bool) or not int(sv["draft_tokens"]) >= 0:
+        raise ConfigError(f"serving.draft_tokens must be an integer >= 0, got {sv['draft_tokens']}")
+    if not 0 <= float(sv["acceptance"]) < 1:
+        raise ConfigError(f"serving.acceptance must be in [0, 1), got {sv['acceptance']}")
     if not float(sv["arrival_rate"]) >= 0:
         raise ConfigError(f"serving.arrival_rate must be >= 0, got {sv['arrival_rate']}")
     # serving rows never share a folder with training rows: the default name gets a suffix
@@ -472,4 +480,6 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         mode=mode,
         prefill_budgets=tuple(budgets),
         arrival_rate=float(sv["arrival_rate"]),
+        draft_tokens=int(sv["draft_tokens"]),
+        acceptance=float(sv["acceptance"]),
     )

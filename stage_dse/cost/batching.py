@@ -31,6 +31,13 @@ chunks of ``c = P/n`` tokens, one chunk per step, one prompt at a time. Under sa
 * The KV cache caps ``R``: requests of ``P + O`` tokens that fit in the memory left after the
   weights and the working set of the largest mixed step.
 
+* **Speculative decoding** (multi-token prediction, DeepSeek-V3's MTP; Leviathan et al. ICML
+  2023): each decode step verifies ``k`` drafted tokens; with an acceptance rate ``alpha`` per
+  draft, a request gains ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens per step, so it decodes
+  for ``O`` over that many steps. A verifying step runs ``k + 1`` tokens per request through
+  the linear layers, reads each cache once, and drafts with ``k`` extra layers (an MTP module
+  is one transformer layer); TPOT is the step time over the tokens gained.
+
 With ``C = P`` and ``R = 1`` every step is a whole prefill or a single decode, and TTFT and
 TPOT are exactly the static batch-1 ones. One pipeline stage per replica (``pp = 1``).
 """
@@ -52,11 +59,14 @@ def continuous_batching(
     max_running,
     prefill_budget,
     arrival_rate=0.0,
+    draft_tokens=0,
+    acceptance=0.0,
 ) -> pd.DataFrame:
     """Steady state of every serving row (see the module docstring). ``table`` and ``keys``
     as for :func:`~stage_dse.cost.serving.evaluate_serving_table`; ``max_running`` (R),
     ``prefill_budget`` (C, prompt tokens per step) and ``arrival_rate`` (requests/s per
-    replica; 0: saturated, no queueing) are scalars or arrays over the rows."""
+    replica; 0: saturated, no queueing) are scalars or arrays over the rows; ``draft_tokens``
+    and ``acceptance``: speculative decoding (see the module docstring)."""
     n_rows = len(table)
     if n_rows == 0:
         return pd.DataFrame(index=table.index)
@@ -70,6 +80,14 @@ def continuous_batching(
             raise ConfigError(f"serving.{name} must be >= 1, got {v.min():g}")
     if not np.all(lam >= 0):
         raise ConfigError(f"serving.arrival_rate must be >= 0, got {lam.min():g}")
+    k = np.broadcast_to(np.asarray(draft_tokens, dtype=float), (n_rows,))
+    alpha = np.broadcast_to(np.asarray(acceptance, dtype=float), (n_rows,))
+    if not np.all((k >= 0) & (k == np.round(k))):
+        raise ConfigError(f"serving.draft_tokens must be an integer >= 0, got {k.max():g}")
+    if not np.all((alpha >= 0) & (alpha < 1)):
+        raise ConfigError(f"serving.acceptance must be in [0, 1), got {alpha.max():g}")
+    # tokens a request gains per decode step: the accepted drafts and the verifier's own
+    gain = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
     prompt = table["prompt"].to_numpy(float)
     out_len = table["output_tokens"].to_numpy(float)
 
@@ -91,21 +109,36 @@ def continuous_batching(
     ok = running >= 1
     running = np.where(ok, running, 1.0)
 
-    r = np.minimum(1.0 / n, running / (n + out_len))
-    slot_bound = running / (n + out_len) < 1.0 / n
+    steps = out_len / gain  # decode steps per request
+    r = np.minimum(1.0 / n, running / (n + steps))
+    slot_bound = running / (n + steps) < 1.0 / n
     f = r * n
-    d_chunk = np.where(slot_bound, running - 1.0, out_len / n)
-    mixed = run(micro_batch=1.0, prompt=c + d_chunk)
+    d_chunk = np.where(slot_bound, running - 1.0, steps / n)
+    layers = table["layers"].to_numpy(float)
+    mixed = run(micro_batch=1.0, prompt=c + d_chunk * (k + 1))
     chunk = run(micro_batch=1.0, prompt=c)
     decoding = run(micro_batch=np.maximum(d_chunk, 1.0))
     full = run(micro_batch=running)
+    verify = run(micro_batch=running * (k + 1)) if np.any(k > 0) else full
     other = mixed["serve_ttft_s"] - mixed["serve_prefill_attention_s"]
-    attn_decode = np.where(d_chunk > 0, decoding["serve_decode_attention_s"], 0.0)
+    # a request decoding with k drafts: k + 1 tokens through the linear layers, its cache read
+    # once by the attention of all k + 1, and k draft layers (an MTP module, one layer each)
+    dec_attn = decoding["serve_decode_attention_s"].to_numpy()
+    draft_mix = k * decoding["serve_tpot_s"].to_numpy() / layers
+    attn_decode = np.where(d_chunk > 0, dec_attn + draft_mix, 0.0)
     t_mix = other.to_numpy() + n * chunk["serve_prefill_attention_s"].to_numpy() + attn_decode
-    t_dec = full["serve_tpot_s"].to_numpy()
+    full_attn = full["serve_decode_attention_s"].to_numpy()
+    t_dec = np.where(
+        k > 0,
+        verify["serve_tpot_s"].to_numpy()
+        - verify["serve_decode_attention_s"].to_numpy()
+        + full_attn
+        + k * full["serve_tpot_s"].to_numpy() / layers,
+        full["serve_tpot_s"].to_numpy(),
+    )
     step = f * t_mix + (1.0 - f) * t_dec
-    seen = np.where(slot_bound, np.minimum(1.0, (running - 1.0) * n / out_len), 1.0)
-    tpot = seen * t_mix + (1.0 - seen) * t_dec
+    seen = np.where(slot_bound, np.minimum(1.0, (running - 1.0) * n / steps), 1.0)
+    tpot = (seen * t_mix + (1.0 - seen) * t_dec) / gain
     replicas = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
     gpus = table["tp"].to_numpy(float) * table["pp"].to_numpy(float) * replicas
     mu = r / step * replicas  # requests/s at saturation

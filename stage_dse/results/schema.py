@@ -76,6 +76,8 @@ _fields = [
     pa.field("serving_mode", LABEL),
     pa.field("prefill_budget", pa.float64()),
     pa.field("arrival_rate", pa.float64()),
+    pa.field("draft_tokens", pa.float64()),
+    pa.field("acceptance", pa.float64()),
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -166,7 +168,9 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             continuous = mode == "continuous"
             if continuous.any():
                 extra = _mix(h ^ _stable64("serving_mode=continuous"))
-                for i, c in enumerate(("prefill_budget", "arrival_rate")):
+                for i, c in enumerate(
+                    ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance")
+                ):
                     v = _hash_input(source[c], False)
                     extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
                 h = np.where(continuous, extra, h)

@@ -255,7 +255,7 @@ def rows_table(
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "serving_mode":
             arrays.append(pa.nulls(n, field.type))
-        elif name in ("prefill_budget", "arrival_rate"):
+        elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance"):
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "timing":
             arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))

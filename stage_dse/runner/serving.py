@@ -88,6 +88,8 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "serving_mode": spec.mode,
                 "prefill_budget": float(budget) if continuous else np.nan,
                 "arrival_rate": spec.arrival_rate if continuous else np.nan,
+                "draft_tokens": float(spec.draft_tokens) if continuous else np.nan,
+                "acceptance": spec.acceptance if continuous else np.nan,
             }
         )
         rows.append(row)
@@ -119,7 +121,13 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
             for src, dst in SERVING_COLUMNS.items():
                 if src in costs:
                     out[dst] = costs[src].to_numpy()
-            for col in ("serving_mode", "prefill_budget", "arrival_rate"):
+            for col in (
+                "serving_mode",
+                "prefill_budget",
+                "arrival_rate",
+                "draft_tokens",
+                "acceptance",
+            ):
                 out[col] = table[col].to_numpy()
             out["mem_weights_bytes"] = out["serve_weights_bytes"]
             out["mem_total_bytes"] = out["serve_mem_total_bytes"]
@@ -146,6 +154,8 @@ def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame) -> pd.Dat
         table["micro_batch"].to_numpy(float),
         table["prefill_budget"].to_numpy(float),
         table["arrival_rate"].to_numpy(float),
+        table["draft_tokens"].to_numpy(float),
+        table["acceptance"].to_numpy(float),
     )
     out = static.copy()
     per_seq = static["serve_kv_cache_bytes"] / table["micro_batch"]

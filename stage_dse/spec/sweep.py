@@ -209,3 +209,7 @@ class ServingSweepSpec:
     """Continuous batching: prompt tokens per engine step (the chunk)."""
     arrival_rate: float = 0.0
     """Continuous batching: requests/s offered to each replica (0: saturated)."""
+    draft_tokens: int = 0
+    """Continuous batching: tokens drafted per decode step (speculative decoding / MTP)."""
+    acceptance: float = 0.0
+    """Continuous batching: probability that a drafted token is accepted."""
