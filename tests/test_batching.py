@@ -10,19 +10,17 @@ import pytest
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.batching import continuous_batching
-from stage_dse.cost.serving import evaluate_serving_table, serving_key
-from stage_dse.cost.table import config_row
+from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
-from stage_dse.spec.serving import ServingSpec, serving_plan
+from stage_dse.runner.serving import serving_row
+from stage_dse.spec.serving import ServingSpec
 
 
 def serving_rows(model="llama3_8b", hardware="h100_sxm", tp=1, prompt=2048, out=256, **hw):
-    m, h = load_model(model), load_hardware(hardware, **hw)
     serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=1)
-    plan = serving_plan(m, tp, 1, 1)
-    row = config_row(m, serving.step_like(h), plan, h, load_cluster("dgx_h100", num_gpus=tp))
-    row.update(workload="serving", kv_bytes=2, prompt=prompt, output_tokens=out, context=prompt)
-    return pd.DataFrame([row]), [serving_key(m, serving, plan)]
+    m, h = load_model(model), load_hardware(hardware, **hw)
+    row, key = serving_row(m, serving, h, load_cluster("dgx_h100"), tp)
+    return pd.DataFrame([row]), [key]
 
 
 @pytest.mark.parametrize(
@@ -99,12 +97,10 @@ def test_bad_batching_inputs_name_the_field(kwargs, field):
 
 
 def static_at(model="llama3_8b", hardware="h100_sxm", tp=1, batch=1, prompt=2048, out=256):
-    m, h = load_model(model), load_hardware(hardware)
     serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=batch)
-    plan = serving_plan(m, tp, 1, batch)
-    row = config_row(m, serving.step_like(h), plan, h, load_cluster("dgx_h100", num_gpus=tp))
-    row.update(workload="serving", kv_bytes=2, prompt=prompt, output_tokens=out, context=prompt)
-    return evaluate_serving_table(pd.DataFrame([row]), [serving_key(m, serving, plan)])
+    m, h = load_model(model), load_hardware(hardware)
+    row, key = serving_row(m, serving, h, load_cluster("dgx_h100"), tp)
+    return evaluate_serving_table(pd.DataFrame([row]), [key])
 
 
 def test_kv_transfer_bytes_are_the_cache_layouts_bytes():

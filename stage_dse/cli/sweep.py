@@ -241,6 +241,7 @@ def _run_recommend(cfg: DictConfig) -> int:
     ``serving.sla`` on each hardware, aggregated and disaggregated."""
     from stage_dse.config.schema import to_serving_sweep
     from stage_dse.runner.recommend import recommend
+    from stage_dse.spec.sweep import divisors
 
     spec = to_serving_sweep(cfg)
     ttft_ms, tpot_ms = _sla(cfg)
@@ -255,7 +256,8 @@ def _run_recommend(cfg: DictConfig) -> int:
         f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
         f"{tpot_ms:g} ms"
     )
-    tps = tuple(divisors_up_to(spec.model.num_kv_heads, spec.cluster.gpus_per_node))
+    per_node = spec.cluster.gpus_per_node
+    tps = tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
     for hw in spec.hardware:
         answer = recommend(
             spec.model,
@@ -298,10 +300,6 @@ def _run_recommend(cfg: DictConfig) -> int:
                 f"{100 * (m.miss - 1):.0f}%"
             )
     return 0
-
-
-def divisors_up_to(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")

@@ -442,7 +442,7 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         tp = [tp]
     elif isinstance(tp, str) and tp != "auto":
         raise ConfigError(f"serving.tp={tp!r}: give an integer, a list of integers or 'auto'")
-    for name in ("pp", "ep", "batch_size", "prompt_len"):
+    for name in ("pp", "ep", "batch_size", "prompt_len", "prefill_budget"):
         values = sv[name] if isinstance(sv[name], list) else [sv[name]]
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -453,9 +453,6 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
     budgets = (
         sv["prefill_budget"] if isinstance(sv["prefill_budget"], list) else [sv["prefill_budget"]]
     )
-    for v in budgets:
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"serving.prefill_budget values must be integers > 0, got {v!r}")
     if isinstance(sv["draft_tokens"], bool) or not int(sv["draft_tokens"]) >= 0:
         raise ConfigError(f"serving.draft_tokens must be an integer >= 0, got {sv['draft_tokens']}")
     if not 0 <= float(sv["acceptance"]) < 1:

@@ -223,7 +223,7 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
     if backend == "symengine":
         names, outs = _symengine_program(key, subset)
         fn = _lambdify_symengine(outs, _se_args(key, subset))
-        _store(path, (names, fn))
+        store_pickle(path, (names, fn))
         return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
     defs, outputs = _family_outputs(key, subset)
     names = tuple(outputs)
@@ -232,7 +232,9 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
     return CompiledFamily(key, names, fn, backend)
 
 
-def _store(path: Path, obj: object) -> None:
+def store_pickle(path: Path, obj: object) -> None:
+    """Pickle ``obj`` to ``path`` atomically (temporary file, rename); a cache that cannot be
+    written (read-only folder, unpicklable code) is skipped, never an error."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

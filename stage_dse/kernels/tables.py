@@ -22,13 +22,11 @@ worker).
 from __future__ import annotations
 
 import importlib.util
-import os
 import pickle
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
+from stage_dse.cost.compile import store_pickle
 from stage_dse.errors import ConfigError
 from stage_dse.kernels.interp import GridTable
 
@@ -108,7 +106,7 @@ def load_tables(gpu: str) -> MeasuredTables:
             cache.unlink(missing_ok=True)
     tables = _read(root, gpu, version)
     if cache is not None:
-        _store(cache, tables)
+        store_pickle(cache, tables)  # a read-only cache folder: read from the package each time
     return tables
 
 
@@ -125,16 +123,6 @@ def _cache_file(gpu: str, version: str) -> Path | None:
     except PackageNotFoundError:
         return None
     return cache_dir() / f"measured-{gpu}-{BACKEND}-{version}-aic{package}.pkl"
-
-
-def _store(path: Path, tables: MeasuredTables) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(pickle.dumps(tables))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache folder: the tables are read from the package each time
-        pass
 
 
 def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
@@ -183,12 +171,3 @@ def _newest(folder: Path) -> str:
     if not versions:
         raise ConfigError(f"no measured tables under {folder}")
     return max(versions, key=Version)
-
-
-def gemm_seconds(tables: MeasuredTables, dtype: str, m, n, k) -> tuple[np.ndarray, np.ndarray]:
-    """Measured seconds of GEMMs (arrays) and whether each was inside the table."""
-    table = tables.gemm.get(dtype)
-    if table is None:
-        nan = np.full(np.broadcast(m, n, k).shape, np.nan)
-        return nan, np.zeros(nan.shape, dtype=bool)
-    return table.lookup(m, n, k)

@@ -29,11 +29,11 @@ import pandas as pd
 
 from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.disagg import disaggregated
-from stage_dse.cost.serving import evaluate_serving_table, serving_key
-from stage_dse.cost.table import config_row
+from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
+from stage_dse.runner.serving import serving_row
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
-from stage_dse.spec.serving import ServingSpec, serving_plan
+from stage_dse.spec.serving import ServingSpec
 
 __all__ = ["Recommendation", "recommend", "sla_load"]
 
@@ -64,16 +64,9 @@ def _rows(model, hardware, cluster, tps, batches, prompt, out_len):
     for tp, batch in itertools.product(tps, batches):
         serving = ServingSpec(prompt_len=prompt, output_tokens=out_len, batch_size=batch)
         try:
-            plan = serving_plan(model, tp, 1, batch)
-            key = serving_key(model, serving, plan)
+            row, key = serving_row(model, serving, hardware, cluster, tp)
         except ConfigError:
             continue
-        row = config_row(
-            model, serving.step_like(hardware), plan, hardware, cluster.replace(num_gpus=tp)
-        )
-        row.update(
-            workload="serving", kv_bytes=2, prompt=prompt, output_tokens=out_len, context=prompt
-        )
         rows.append(row)
         keys.append(key)
         meta.append((tp, batch))

@@ -29,7 +29,7 @@ from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec.serving import ServingSpec, serving_plan
 from stage_dse.spec.sweep import ServingSweepSpec, divisors
 
-__all__ = ["ServingSweepSpec", "run_serving", "serving_top_table"]
+__all__ = ["ServingSweepSpec", "run_serving", "serving_row", "serving_top_table"]
 
 GIB = 2.0**30
 
@@ -70,21 +70,12 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 kv_dtype=spec.kv_dtype,
                 weights_dtype=spec.weights_dtype,
             )
-            plan = serving_plan(model, tp, pp, batch, ep)
-            key = serving_key(model, serving, plan)
-            cluster = spec.cluster.replace(num_gpus=plan.num_gpus)
+            row, key = serving_row(model, serving, hw, spec.cluster, tp, pp, ep)
         except ConfigError as exc:
             report.rejected[_rule(str(exc))] += 1
             continue
-        like = serving.step_like(hw, replicas=plan.dp)
-        row = config_row(model, like, plan, hw, cluster)
         row.update(
             {
-                "workload": "serving",
-                "kv_bytes": serving.kv_dtype.bytes,
-                "prompt": prompt,
-                "output_tokens": spec.output_tokens,
-                "context": prompt,
                 "serving_mode": spec.mode,
                 "prefill_budget": float(budget) if continuous else np.nan,
                 "arrival_rate": spec.arrival_rate if continuous else np.nan,
@@ -142,6 +133,25 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
             report.status.update(out["status"].value_counts().to_dict())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int = 1, ep: int = 1):
+    """The symbol row and serving key of one replica layout (a ``ConfigError`` when the layout
+    does not suit the model)."""
+    plan = serving_plan(model, tp, pp, serving.batch_size, ep)
+    key = serving_key(model, serving, plan)
+    like = serving.step_like(hardware, replicas=plan.dp)
+    row = config_row(model, like, plan, hardware, cluster.replace(num_gpus=plan.num_gpus))
+    row.update(
+        {
+            "workload": "serving",
+            "kv_bytes": serving.kv_dtype.bytes,
+            "prompt": serving.prompt_len,
+            "output_tokens": serving.output_tokens,
+            "context": serving.prompt_len,
+        }
+    )
+    return row, key
 
 
 def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame) -> pd.DataFrame:
