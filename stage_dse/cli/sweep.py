@@ -187,6 +187,7 @@ def _run_serving(cfg: DictConfig) -> int:
     from stage_dse.runner.serving import run_serving, serving_top_table
 
     spec = to_serving_sweep(cfg)
+    ttft_ms, tpot_ms = _sla(cfg)  # checked before anything is evaluated
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     report = run_serving(spec, store)
     df = store.read()
@@ -202,7 +203,6 @@ def _run_serving(cfg: DictConfig) -> int:
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
     print(top.to_string(index=False) if len(top) else "  none fits")
-    ttft_ms, tpot_ms = _sla(cfg)
     if ttft_ms or tpot_ms:
         from stage_dse.results.analysis import pareto
 
@@ -348,7 +348,10 @@ main options:
   plan.tp=[1,2,4] plan.pp=auto  plan axes (lists, or auto = every divisor); see conf/plan/
   training.seq_len=8192 training.global_batch_size=1024
   workload=training|serving   serving sweeps use serving.* (tp, pp, batch_size, prompt_len)
-  mode=sweep|budget           budget: budget.memory_gib, budget.max_gpus, budget.rank_by
+  serving.mode=continuous     continuous batching: serving.prefill_budget, serving.arrival_rate
+  serving.sla.ttft_ms=1000 serving.sla.tpot_ms=50  front within targets; + target_requests_per_s
+  mode=sweep|budget|recommend budget: budget.memory_gib, budget.max_gpus, budget.rank_by
+  timing=roofline|measured    measured: kernel tables of the 'measured' extra where they reach
   search=grid|optuna          optuna: search.n_trials, search.objectives=[step_s,num_gpus]
   runner=auto|local|ray       auto: in-process below 300,000 plans, else Ray
   runner.address=HOST:PORT    evaluate on an existing Ray cluster
