@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from stage_dse.config import load_cluster, load_hardware, load_model
@@ -93,6 +94,10 @@ def test_the_sla_sweep_prints_its_front_and_both_recommendations(tmp_path, capsy
     for hw in ("h100_sxm", "h200"):
         block = out.split(f"\n{hw}:\n")[1]
         assert block.lstrip().startswith("aggregated:") and "disaggregated:" in block
+    (saved,) = (tmp_path / "llama3_70b_serving_sla" / "_recommend").glob("*.parquet")
+    candidates = pd.read_parquet(saved)
+    assert {"aggregated", "disaggregated"} <= set(candidates["part"])
+    assert set(candidates["hardware"]) == {"h100_sxm", "h200"}
     rows = load(tmp_path / "llama3_70b_serving_sla")
     assert set(rows["serving_mode"]) == {"continuous"} and rows["config_hash"].is_unique
     assert set(rows["hardware"]) == {"h100_sxm", "h200"}

@@ -258,6 +258,7 @@ def _run_recommend(cfg: DictConfig) -> int:
     )
     per_node = spec.cluster.gpus_per_node
     tps = tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
+    candidates = []
     for hw in spec.hardware:
         answer = recommend(
             spec.model,
@@ -271,6 +272,12 @@ def _run_recommend(cfg: DictConfig) -> int:
             tps=tps,
         )
         print(f"\n{hw.name}:")
+        for part, frame in (
+            ("aggregated", answer.aggregated),
+            ("disaggregated", answer.disaggregated),
+            ("near_miss", answer.near_miss),
+        ):
+            candidates.append(frame.assign(hardware=hw.name, model=spec.model.name, part=part))
         if len(answer.aggregated):
             a = answer.aggregated.iloc[0]
             print(
@@ -299,6 +306,19 @@ def _run_recommend(cfg: DictConfig) -> int:
                 f"{m.tpot_s * 1e3:.1f} ms) misses its {which} target by "
                 f"{100 * (m.miss - 1):.0f}%"
             )
+    # every qualifying deployment and the nearest misses, as rows beside the sweep's results
+    import pandas as pd
+
+    from stage_dse.results.store import new_run_id
+
+    folder = Path(cfg.results_dir) / spec.name / "_recommend"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{new_run_id()}.parquet"
+    pd.concat(candidates, ignore_index=True).assign(
+        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms, prompt=prompt,
+        output_tokens=spec.output_tokens,
+    ).to_parquet(path)  # fmt: skip
+    print(f"\nrecommendation candidates: {path}")
     return 0
 
 
