@@ -13,18 +13,23 @@ from stage_dse.runner.recommend import recommend
 TARGET, TTFT, TPOT = 20.0, 1.0, 0.05
 
 
-@pytest.fixture(scope="module")
-def answer():
+def ask(model="llama3_70b", **targets):
+    """recommend() for a 2048 + 256 token workload on H100s; ``targets`` override the default
+    rate and latency targets."""
+    args = {"target_requests_per_s": TARGET, "ttft_sla_s": TTFT, "tpot_sla_s": TPOT, **targets}
     return recommend(
-        load_model("llama3_70b"),
+        load_model(model),
         load_hardware("h100_sxm"),
         load_cluster("dgx_h100", num_gpus=8),
         prompt=2048,
         output_tokens=256,
-        target_requests_per_s=TARGET,
-        ttft_sla_s=TTFT,
-        tpot_sla_s=TPOT,
+        **args,
     )
+
+
+@pytest.fixture(scope="module")
+def answer():
+    return ask()
 
 
 def md1_ttft(ttft0, mu, load):
@@ -52,16 +57,8 @@ def test_disaggregated_answer_sizes_both_pools(answer):
 
 
 def test_an_impossible_target_names_the_nearest_miss():
-    answer = recommend(
-        load_model("llama3_70b"),
-        load_hardware("h100_sxm"),
-        load_cluster("dgx_h100", num_gpus=8),
-        prompt=2048,
-        output_tokens=256,
-        target_requests_per_s=5,
-        ttft_sla_s=1.0,
-        tpot_sla_s=0.002,  # 2 ms per token: below any 70B decode step on H100
-    )
+    # 2 ms per token: below any 70B decode step on H100
+    answer = ask(target_requests_per_s=5, tpot_sla_s=0.002)
     assert answer.aggregated.empty and answer.disaggregated.empty
     near = answer.near_miss.iloc[0]
     assert near["miss"] > 1 and near["miss"] == answer.near_miss["miss"].min()
@@ -70,16 +67,7 @@ def test_an_impossible_target_names_the_nearest_miss():
 
 def test_targets_must_be_positive():
     with pytest.raises(ConfigError, match="tpot_sla_s must be > 0, got 0"):
-        recommend(
-            load_model("llama3_8b"),
-            load_hardware("h100_sxm"),
-            load_cluster("dgx_h100", num_gpus=8),
-            prompt=1024,
-            output_tokens=128,
-            target_requests_per_s=1,
-            ttft_sla_s=1,
-            tpot_sla_s=0,
-        )
+        ask("llama3_8b", target_requests_per_s=1, tpot_sla_s=0)
 
 
 def test_the_sla_sweep_prints_its_front_and_both_recommendations(tmp_path, capsys):
