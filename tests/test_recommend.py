@@ -114,3 +114,34 @@ def test_recommend_mode_needs_targets(tmp_path):
 
     with pytest.raises(StageDseError, match=r"serving\.sla\.ttft_ms and serving\.sla\.tpot_ms"):
         run(compose_cfg(["mode=recommend", "model=llama3_8b", f"results_dir={tmp_path}"]))
+
+
+def test_pools_on_other_gpus_and_links_and_the_comparison_at_equal_gpus(answer):
+    from stage_dse.runner.recommend import aggregated_rate_at
+
+    mixed = recommend(
+        load_model("llama3_70b"),
+        load_hardware("h200"),
+        load_cluster("dgx_h100", num_gpus=8),
+        prompt=2048,
+        output_tokens=256,
+        target_requests_per_s=TARGET,
+        ttft_sla_s=TTFT,
+        tpot_sla_s=TPOT,
+        prefill_hardware=load_hardware("h100_sxm"),
+    )
+    assert set(mixed.disaggregated["prefill_hardware"]) == {"h100_sxm"}
+    nvlink = ask(kv_link="nvlink")
+    # the same pools, a faster link: the KV transfer and so TTFT shrink
+    key = ["prefill_tp", "decode_tp", "decode_batch"]
+    both = answer.disaggregated.merge(nvlink.disaggregated, on=key, suffixes=("_nic", "_nvl"))
+    assert len(both) and (both["ttft_s_nvl"] < both["ttft_s_nic"]).all()
+    with pytest.raises(ConfigError, match=r"serving\.kv_link='pcie' is not one of: nic, nvlink"):
+        ask(kv_link="pcie")
+    # at the disaggregated answer's GPUs, whole aggregated replicas at their SLA load
+    d = answer.disaggregated.iloc[0]
+    rate, layout = aggregated_rate_at(answer.aggregated, d["gpus"])
+    replicas = np.floor(d["gpus"] / layout["replica_gpus"])
+    assert rate == pytest.approx(replicas * layout["load_per_replica"])
+    best = answer.aggregated.iloc[0]
+    assert rate < TARGET or d["gpus"] >= best["gpus"]

@@ -239,8 +239,9 @@ def _sla(cfg: DictConfig) -> tuple[float | None, float | None]:
 def _run_recommend(cfg: DictConfig) -> int:
     """``mode=recommend``: the fewest GPUs serving ``serving.target_requests_per_s`` within
     ``serving.sla`` on each hardware, aggregated and disaggregated."""
+    from stage_dse.config import load_hardware
     from stage_dse.config.schema import to_serving_sweep
-    from stage_dse.runner.recommend import recommend
+    from stage_dse.runner.recommend import aggregated_rate_at, recommend
     from stage_dse.spec.sweep import divisors
 
     spec = to_serving_sweep(cfg)
@@ -251,6 +252,7 @@ def _run_recommend(cfg: DictConfig) -> int:
     if not target > 0:
         raise StageDseError(f"mode=recommend needs serving.target_requests_per_s > 0, got {target}")
     prompt = spec.prompt_lens[0]
+    sv = cfg.serving
     print(
         f"recommend {spec.model.name}: {target:g} requests/s of {prompt} prompt + "
         f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
@@ -270,6 +272,8 @@ def _run_recommend(cfg: DictConfig) -> int:
             ttft_sla_s=ttft_ms / 1e3,
             tpot_sla_s=tpot_ms / 1e3,
             tps=tps,
+            prefill_hardware=load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None,
+            kv_link=sv.kv_link,
         )
         print(f"\n{hw.name}:")
         for part, frame in (
@@ -290,12 +294,21 @@ def _run_recommend(cfg: DictConfig) -> int:
             print("  aggregated:    no layout meets the targets")
         if len(answer.disaggregated):
             d = answer.disaggregated.iloc[0]
+            other = "" if d.prefill_hardware == hw.name else f" ({d.prefill_hardware})"
             print(
                 f"  disaggregated: {d.gpus:.0f} GPUs = {d.prefill_replicas:.0f} prefill x tp "
-                f"{d.prefill_tp} + {d.decode_replicas:.0f} decode x tp {d.decode_tp} (batch "
+                f"{d.prefill_tp}{other}"
+                f" + {d.decode_replicas:.0f} decode x tp {d.decode_tp} (batch "
                 f"{d.decode_batch}); TTFT {d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
                 f"{d.tpot_s * 1e3:.1f} ms, {d.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
+            rate, layout = aggregated_rate_at(answer.aggregated, d.gpus)
+            if layout is not None:
+                print(
+                    f"  at {d.gpus:.0f} GPUs aggregated serves {rate:.1f} requests/s "
+                    f"(tp {layout.tp}, max_running {layout.max_running}) against "
+                    f"{target:g} disaggregated"
+                )
         else:
             print("  disaggregated: no pair of pools meets the targets")
         if len(answer.near_miss):

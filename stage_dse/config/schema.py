@@ -214,6 +214,10 @@ class ServingConf:
     sla: SlaConf = field(default_factory=lambda: SlaConf())
     target_requests_per_s: float = 0.0
     """mode=recommend: the request rate to serve."""
+    prefill_hardware: str = ""
+    """mode=recommend: the GPU of the disaggregated prefill pool (default: the hardware's)."""
+    kv_link: str = "nic"
+    """mode=recommend: nic or nvlink, the link the KV cache crosses from prefill to decode."""
 
 
 @dataclass

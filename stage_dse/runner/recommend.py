@@ -10,9 +10,12 @@ costed with the serving model and sized to the target rate:
   saturated rate and ``rho*`` the load at which the M/D/1 wait uses up the TTFT margin
   ``m`` (``rho / (2 (1 - rho)) / mu = m``, so ``rho* = 2 m mu / (1 + 2 m mu)``);
   ``ceil(target / lambda*)`` replicas;
-* **disaggregated** pools (:mod:`stage_dse.cost.disagg`): prefill replicas sized the same way
-  against the TTFT target (their TTFT includes the KV transfer), decode replicas (batch ``R``)
-  to their saturated rate when their TPOT meets the target.
+* **disaggregated** pools (:mod:`stage_dse.cost.disagg`): prefill replicas (on
+  ``prefill_hardware`` if given) sized the same way against the TTFT target (their TTFT includes
+  the KV transfer over the NIC, or NVLink), decode replicas (batch ``R``) to their saturated
+  rate when their TPOT meets the target;
+* at the disaggregated answer's GPU count, :func:`aggregated_rate_at` gives what the best
+  qualifying aggregated layout serves on as many GPUs: the comparison at equal GPUs.
 
 The answer is the qualifying candidate with the fewest GPUs (then the most output tokens/s per
 GPU), aggregated and disaggregated; when nothing qualifies, the candidate that misses by the
@@ -35,7 +38,7 @@ from stage_dse.runner.serving import serving_row
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.serving import ServingSpec
 
-__all__ = ["Recommendation", "recommend", "sla_load"]
+__all__ = ["Recommendation", "aggregated_rate_at", "recommend", "sla_load"]
 
 RUNNING = (8, 16, 32, 64, 128, 256)
 BUDGETS = (512, 1024, 2048, 4096, 8192)
@@ -84,8 +87,14 @@ def recommend(
     ttft_sla_s: float,
     tpot_sla_s: float,
     tps: tuple[int, ...] = (1, 2, 4, 8),
+    prefill_hardware: HardwareSpec | None = None,
+    kv_link: str = "nic",
 ) -> Recommendation:
-    """See the module docstring."""
+    """See the module docstring. ``prefill_hardware``: the GPU of the disaggregated prefill
+    pool (default ``hardware``); ``kv_link``: ``nic`` (scale-out network) or ``nvlink`` (both
+    pools in one NVLink domain) for the KV transfer."""
+    if kv_link not in ("nic", "nvlink"):
+        raise ConfigError(f"serving.kv_link={kv_link!r} is not one of: nic, nvlink")
     for name, value in (
         ("target_requests_per_s", target_requests_per_s),
         ("ttft_sla_s", ttft_sla_s),
@@ -127,7 +136,8 @@ def recommend(
     agg["kind"] = "aggregated"
 
     # disaggregated: prefill replicas (tp, batch 1) and decode replicas (tp, batch R)
-    pre_t, pre_k, pre_m = _rows(model, hardware, cluster, tps, (1,), prompt, output_tokens)
+    pre_hw = prefill_hardware or hardware
+    pre_t, pre_k, pre_m = _rows(model, pre_hw, cluster, tps, (1,), prompt, output_tokens)
     dec_t, dec_k, dec_m = _rows(
         model, hardware, cluster, tps, DECODE_BATCHES, prompt, output_tokens
     )
@@ -144,8 +154,10 @@ def recommend(
         decode_batch=np.array([dec_m[j][1] for j in d_idx], float),
         prefill_gpus=np.array([pre_m[i][0] for i in p_idx], float),
         decode_gpus=np.array([dec_m[j][0] for j in d_idx], float),
-        link_bytes_per_s=cluster.inter_bandwidth_bytes_per_s,
-        link_latency_s=cluster.inter_latency_s,
+        link_bytes_per_s=cluster.inter_bandwidth_bytes_per_s
+        if kv_link == "nic"
+        else cluster.intra_bandwidth_bytes_per_s,
+        link_latency_s=cluster.inter_latency_s if kv_link == "nic" else cluster.intra_latency_s,
     )
     dis = pd.DataFrame(
         {
@@ -170,6 +182,7 @@ def recommend(
     )
     dis["tokens_per_s_per_gpu"] = target * output_tokens / dis["gpus"]
     dis["kind"] = "disaggregated"
+    dis["prefill_hardware"] = pre_hw.name
 
     order = ["gpus", "tokens_per_s_per_gpu"]
     good_agg = agg[agg["gpus"].notna()].sort_values(order, ascending=[True, False])
@@ -181,3 +194,13 @@ def recommend(
         good_dis.reset_index(drop=True),
         near.reset_index(drop=True),
     )
+
+
+def aggregated_rate_at(aggregated: pd.DataFrame, gpus: float) -> tuple[float, pd.Series | None]:
+    """The most requests/s qualifying aggregated replicas serve on ``gpus`` GPUs (whole
+    replicas of one layout, each at its SLA load), and that layout."""
+    if aggregated.empty:
+        return 0.0, None
+    rate = np.floor(gpus / aggregated["replica_gpus"]) * aggregated["load_per_replica"]
+    best = int(np.argmax(rate.to_numpy()))
+    return float(rate.iloc[best]), aggregated.iloc[best]
