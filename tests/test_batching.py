@@ -156,3 +156,21 @@ def test_speculative_decoding_pays_for_itself_only_when_drafts_are_accepted():
     assert accepted["cb_tokens_per_s_per_gpu"] > plain["cb_tokens_per_s_per_gpu"]
     with pytest.raises(ConfigError, match=r"serving\.acceptance must be in \[0, 1\)"):
         continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=1.0)
+
+
+def test_a_request_mix_of_one_class_is_that_class_and_longer_prompts_wait_longer():
+    table, keys = serving_rows()
+    alone = continuous_batching(table, keys, 32, 1024).iloc[0]
+    one = continuous_batching(table, keys, 32, 1024, mix=[(2048, 256, 3.0)]).iloc[0]
+    twice = continuous_batching(table, keys, 32, 1024, mix=[(2048, 256, 1), (2048, 256, 1)])
+    for col in ("cb_ttft_s", "cb_tpot_s", "cb_requests_per_s", "cb_kv_capacity_seqs"):
+        assert one[col] == pytest.approx(alone[col], rel=1e-12)
+        assert twice.iloc[0][col] == pytest.approx(alone[col], rel=1e-12)
+    mixed = continuous_batching(table, keys, 32, 1024, mix=[(2048, 256, 0.5), (8192, 256, 0.5)])
+    row = mixed.iloc[0]
+    # the long prompts take 8 chunks, the short 2: the mean waits 5 chunk steps, the longest 8
+    assert row["cb_ttft_longest_s"] / row["cb_ttft_s"] == pytest.approx(8 / 5)
+    assert row["cb_ttft_s"] > alone["cb_ttft_s"]
+    assert row["cb_requests_per_s"] < alone["cb_requests_per_s"]
+    with pytest.raises(ConfigError, match=r"serving\.request_mix"):
+        continuous_batching(table, keys, 32, 1024, mix=[(2048, 256)])

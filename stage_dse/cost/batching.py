@@ -61,12 +61,14 @@ def continuous_batching(
     arrival_rate=0.0,
     draft_tokens=0,
     acceptance=0.0,
+    mix=None,
 ) -> pd.DataFrame:
     """Steady state of every serving row (see the module docstring). ``table`` and ``keys``
     as for :func:`~stage_dse.cost.serving.evaluate_serving_table`; ``max_running`` (R),
     ``prefill_budget`` (C, prompt tokens per step) and ``arrival_rate`` (requests/s per
     replica; 0: saturated, no queueing) are scalars or arrays over the rows; ``draft_tokens``
-    and ``acceptance``: speculative decoding (see the module docstring)."""
+    and ``acceptance``: speculative decoding; ``mix``: ``[(prompt, output_tokens, weight), ...]``
+    request classes instead of the rows' own lengths (see the module docstring)."""
     n_rows = len(table)
     if n_rows == 0:
         return pd.DataFrame(index=table.index)
@@ -88,19 +90,32 @@ def continuous_batching(
         raise ConfigError(f"serving.acceptance must be in [0, 1), got {alpha.max():g}")
     # tokens a request gains per decode step: the accepted drafts and the verifier's own
     gain = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    prompt = table["prompt"].to_numpy(float)
-    out_len = table["output_tokens"].to_numpy(float)
+    if mix is None:
+        classes = [(table["prompt"].to_numpy(float), table["output_tokens"].to_numpy(float), 1.0)]
+    else:
+        classes = _classes(mix, n_rows)
 
     def run(**columns) -> pd.DataFrame:
         variant = table.assign(**columns)
         return evaluate_serving_table(variant, keys)
 
-    n = np.ceil(prompt / C)
-    c = prompt / n
+    def mean(values) -> np.ndarray:  # over requests
+        return sum(w * v for (_, _, w), v in zip(classes, values))
+
+    n_i = [np.ceil(p / C) for p, _, _ in classes]  # chunks per prompt
+    c_i = [p / n for (p, _, _), n in zip(classes, n_i)]
+    steps_i = [o / gain for _, o, _ in classes]  # decode steps per request
+    n = mean(n_i)
+    steps = mean(steps_i)
+    c = mean([p for p, _, _ in classes]) / n  # prompt tokens per chunk step
+    # decoding requests, weighted by how long each class decodes: their prompt and output
+    decode_prompt = mean([s * p for s, (p, _, _) in zip(steps_i, classes)]) / steps
+    decode_out = mean([s * o for s, (_, o, _) in zip(steps_i, classes)]) / steps
+    lengths = {"prompt": decode_prompt, "output_tokens": decode_out}
     # the KV cache caps the running requests: per-sequence bytes from the decode layout,
     # memory left after the weights and the working set of the largest mixed step
-    base = run(micro_batch=np.maximum(R, 1.0))
-    widest = run(micro_batch=1.0, prompt=c + R)
+    base = run(micro_batch=np.maximum(R, 1.0), **lengths)
+    widest = run(micro_batch=1.0, prompt=np.maximum.reduce(c_i) + R)
     per_seq = base["serve_kv_cache_bytes"].to_numpy() / np.maximum(R, 1.0)
     usable = table["usable_memory"].to_numpy(float)
     free = usable - base["serve_weights_bytes"].to_numpy() - widest["serve_working_bytes"]
@@ -109,24 +124,32 @@ def continuous_batching(
     ok = running >= 1
     running = np.where(ok, running, 1.0)
 
-    steps = out_len / gain  # decode steps per request
     r = np.minimum(1.0 / n, running / (n + steps))
     slot_bound = running / (n + steps) < 1.0 / n
     f = r * n
     d_chunk = np.where(slot_bound, running - 1.0, steps / n)
     layers = table["layers"].to_numpy(float)
     mixed = run(micro_batch=1.0, prompt=c + d_chunk * (k + 1))
-    chunk = run(micro_batch=1.0, prompt=c)
-    decoding = run(micro_batch=np.maximum(d_chunk, 1.0))
-    full = run(micro_batch=running)
-    verify = run(micro_batch=running * (k + 1)) if np.any(k > 0) else full
+    # a class's chunks cost one whole prompt's attention: n_i chunk steps of n_i x att(c_i)
+    chunk_attention = (
+        mean(
+            [
+                ni * ni * run(micro_batch=1.0, prompt=ci)["serve_prefill_attention_s"].to_numpy()
+                for ni, ci in zip(n_i, c_i)
+            ]
+        )
+        / n
+    )
+    decoding = run(micro_batch=np.maximum(d_chunk, 1.0), **lengths)
+    full = run(micro_batch=running, **lengths)
+    verify = run(micro_batch=running * (k + 1), **lengths) if np.any(k > 0) else full
     other = mixed["serve_ttft_s"] - mixed["serve_prefill_attention_s"]
     # a request decoding with k drafts: k + 1 tokens through the linear layers, its cache read
     # once by the attention of all k + 1, and k draft layers (an MTP module, one layer each)
     dec_attn = decoding["serve_decode_attention_s"].to_numpy()
     draft_mix = k * decoding["serve_tpot_s"].to_numpy() / layers
     attn_decode = np.where(d_chunk > 0, dec_attn + draft_mix, 0.0)
-    t_mix = other.to_numpy() + n * chunk["serve_prefill_attention_s"].to_numpy() + attn_decode
+    t_mix = other.to_numpy() + chunk_attention + attn_decode
     full_attn = full["serve_decode_attention_s"].to_numpy()
     t_dec = np.where(
         k > 0,
@@ -139,6 +162,8 @@ def continuous_batching(
     step = f * t_mix + (1.0 - f) * t_dec
     seen = np.where(slot_bound, np.minimum(1.0, (running - 1.0) * n / steps), 1.0)
     tpot = (seen * t_mix + (1.0 - seen) * t_dec) / gain
+    out_len = mean([o for _, o, _ in classes])
+    longest = np.maximum.reduce(n_i)
     replicas = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
     gpus = table["tp"].to_numpy(float) * table["pp"].to_numpy(float) * replicas
     mu = r / step * replicas  # requests/s at saturation
@@ -154,6 +179,7 @@ def continuous_batching(
             "cb_mixed_step_s": t_mix,
             "cb_decode_step_s": t_dec,
             "cb_ttft_s": n * t_mix + wait,
+            "cb_ttft_longest_s": longest * t_mix + wait,
             "cb_tpot_s": tpot,
             "cb_requests_per_s": mu,
             "cb_tokens_per_s": mu * out_len,
@@ -167,3 +193,18 @@ def continuous_batching(
     kept = ("cb_kv_capacity_seqs", "cb_working_bytes")
     out.loc[~ok, [c for c in out.columns if c not in kept]] = np.nan
     return out
+
+
+def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """Request classes ``(prompt, output_tokens, weight)``, weights normalised."""
+    classes = [tuple(float(x) for x in item) for item in mix]
+    if not classes or any(len(c) != 3 for c in classes):
+        raise ConfigError("serving.request_mix: give [[prompt, output_tokens, weight], ...]")
+    for p, o, w in classes:
+        if not (p >= 1 and o >= 1 and w > 0):
+            raise ConfigError(
+                f"serving.request_mix: prompt and output_tokens must be >= 1 and weights > 0, "
+                f"got [{p:g}, {o:g}, {w:g}]"
+            )
+    total = sum(w for _, _, w in classes)
+    return [(np.full(n_rows, p), np.full(n_rows, o), w / total) for p, o, w in classes]
