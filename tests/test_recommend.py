@@ -145,3 +145,31 @@ def test_pools_on_other_gpus_and_links_and_the_comparison_at_equal_gpus(answer):
     assert rate == pytest.approx(replicas * layout["load_per_replica"])
     best = answer.aggregated.iloc[0]
     assert rate < TARGET or d["gpus"] >= best["gpus"]
+
+
+def test_a_request_mix_sweep_stores_its_mix_and_hashes_apart(tmp_path):
+    from test_sweep import compose_cfg
+
+    from stage_dse.cli import run
+    from stage_dse.errors import StageDseError
+    from stage_dse.results import load
+
+    base = [
+        "+sweep=llama3_70b_serving_sla",
+        f"results_dir={tmp_path}",
+        "serving.target_requests_per_s=0",
+        "serving.tp=[8]",
+        "serving.hardware=[]",
+    ]
+    run(compose_cfg([*base, "sweep_name=plain", "serving.prompt_len=[3891]"]))
+    run(
+        compose_cfg(
+            [*base, "sweep_name=mix", "serving.request_mix=[[2048,256,0.7],[8192,512,0.3]]"]
+        )
+    )
+    plain, mixed = load(tmp_path / "plain"), load(tmp_path / "mix")
+    assert set(mixed["request_mix"]) == {"2048x256:0.7,8192x512:0.3"}
+    assert set(mixed["prompt"]) == {3891}  # the static parts at the mean prompt
+    assert not set(plain["config_hash"]) & set(mixed["config_hash"])
+    with pytest.raises(StageDseError, match=r"serving\.request_mix needs serving\.mode=continuous"):
+        run(compose_cfg([*base, "serving.mode=static", "serving.request_mix=[[2048,256,1]]"]))

@@ -214,6 +214,8 @@ class ServingConf:
     sla: SlaConf = field(default_factory=lambda: SlaConf())
     target_requests_per_s: float = 0.0
     """mode=recommend: the request rate to serve."""
+    request_mix: list[Any] = field(default_factory=list)
+    """Continuous batching: [[prompt, output_tokens, weight], ...] request classes."""
     prefill_hardware: str = ""
     """mode=recommend: the GPU of the disaggregated prefill pool (default: the hardware's)."""
     kv_link: str = "nic"
@@ -461,6 +463,15 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         raise ConfigError(f"serving.draft_tokens must be an integer >= 0, got {sv['draft_tokens']}")
     if not 0 <= float(sv["acceptance"]) < 1:
         raise ConfigError(f"serving.acceptance must be in [0, 1), got {sv['acceptance']}")
+    mix = tuple(tuple(item) for item in sv.get("request_mix") or ())
+    for item in mix:
+        if len(item) != 3 or not (item[0] >= 1 and item[1] >= 1 and item[2] > 0):
+            raise ConfigError(
+                f"serving.request_mix: give [[prompt, output_tokens, weight], ...] with lengths "
+                f">= 1 and weights > 0, got {list(item)}"
+            )
+    if mix and mode != "continuous":
+        raise ConfigError("serving.request_mix needs serving.mode=continuous")
     if not float(sv["arrival_rate"]) >= 0:
         raise ConfigError(f"serving.arrival_rate must be >= 0, got {sv['arrival_rate']}")
     # serving rows never share a folder with training rows: the default name gets a suffix
@@ -483,4 +494,5 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         arrival_rate=float(sv["arrival_rate"]),
         draft_tokens=int(sv["draft_tokens"]),
         acceptance=float(sv["acceptance"]),
+        request_mix=mix,
     )

@@ -78,6 +78,7 @@ _fields = [
     pa.field("arrival_rate", pa.float64()),
     pa.field("draft_tokens", pa.float64()),
     pa.field("acceptance", pa.float64()),
+    pa.field("request_mix", LABEL),
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -173,6 +174,9 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                 ):
                     v = _hash_input(source[c], False)
                     extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
+                if "request_mix" in source:
+                    mix = _hash_input(pd.Series(source["request_mix"]).fillna("").astype(str), True)
+                    extra = _mix(extra ^ (mix + np.uint64(5) * _GOLDEN))
                 h = np.where(continuous, extra, h)
         # measured timing makes other results of the same configuration; roofline rows keep
         # the hashes they always had

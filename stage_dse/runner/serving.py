@@ -55,8 +55,15 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
     rows, keys = [], []
     continuous = spec.mode == "continuous"
     budgets = spec.prefill_budgets if continuous else (None,)
+    mix = [tuple(float(x) for x in item) for item in spec.request_mix]
+    prompts, out_tokens, mix_label = spec.prompt_lens, spec.output_tokens, None
+    if mix:  # one row per layout: the static parts at the mix's mean lengths
+        total = sum(w for _, _, w in mix)
+        prompts = (max(1, round(sum(p * w for p, _, w in mix) / total)),)
+        out_tokens = max(1, round(sum(o * w for _, o, w in mix) / total))
+        mix_label = ",".join(f"{p:g}x{o:g}:{w / total:g}" for p, o, w in mix)
     for hw, tp, pp, ep, batch, prompt, budget in itertools.product(
-        spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, spec.prompt_lens, budgets
+        spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, prompts, budgets
     ):
         report.candidates += 1
         if continuous and pp != 1:
@@ -65,7 +72,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
         try:
             serving = ServingSpec(
                 prompt_len=prompt,
-                output_tokens=spec.output_tokens,
+                output_tokens=out_tokens,
                 batch_size=batch,
                 kv_dtype=spec.kv_dtype,
                 weights_dtype=spec.weights_dtype,
@@ -81,6 +88,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "arrival_rate": spec.arrival_rate if continuous else np.nan,
                 "draft_tokens": float(spec.draft_tokens) if continuous else np.nan,
                 "acceptance": spec.acceptance if continuous else np.nan,
+                "request_mix": mix_label,
             }
         )
         rows.append(row)
@@ -107,7 +115,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
         if len(table):
             costs = evaluate_serving_table(table, keys)
             if continuous:
-                costs = _continuous(table, keys, costs)
+                costs = _continuous(table, keys, costs, mix or None)
             out = finalize_rows(table, None, spec.name, report.run_id)
             for src, dst in SERVING_COLUMNS.items():
                 if src in costs:
@@ -118,6 +126,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "arrival_rate",
                 "draft_tokens",
                 "acceptance",
+                "request_mix",
             ):
                 out[col] = table[col].to_numpy()
             out["mem_weights_bytes"] = out["serve_weights_bytes"]
@@ -154,7 +163,7 @@ def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int
     return row, key
 
 
-def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame) -> pd.DataFrame:
+def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame, mix=None) -> pd.DataFrame:
     """Serving outputs of continuous-batching rows: the steady state replaces the static
     latencies and throughput; memory holds the KV cache of the requests that actually run
     (at most the capacity)."""
@@ -166,6 +175,7 @@ def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame) -> pd.Dat
         table["arrival_rate"].to_numpy(float),
         table["draft_tokens"].to_numpy(float),
         table["acceptance"].to_numpy(float),
+        mix=mix,
     )
     out = static.copy()
     per_seq = static["serve_kv_cache_bytes"] / table["micro_batch"]

@@ -213,3 +213,6 @@ class ServingSweepSpec:
     """Continuous batching: tokens drafted per decode step (speculative decoding / MTP)."""
     acceptance: float = 0.0
     """Continuous batching: probability that a drafted token is accepted."""
+    request_mix: tuple[tuple[int, int, float], ...] = ()
+    """Continuous batching: request classes ``(prompt, output_tokens, weight)`` replacing
+    ``prompt_lens`` and ``output_tokens`` (empty: every request has those lengths)."""
