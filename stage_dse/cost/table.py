@@ -350,12 +350,14 @@ def evaluate_table(
     if len(table) == 0:
         return pd.DataFrame(index=table.index)
     if timing == "measured" and subset == "all":
-        from stage_dse.kernels.tables import GPU_TABLES, load_tables
+        from stage_dse.kernels.tables import load_tables, table_set
 
-        gpus = {**GPU_TABLES, **(measured_gpu or {})}
+        chosen = measured_gpu or {}
         parts = []
         for hw, rows in table.groupby("hardware", observed=True, sort=False):
-            tables = load_tables(gpus[hw]) if gpus.get(hw) else None
+            # a name the caller maps to None has no tables; an unmapped one its preset's
+            gpu = table_set(str(hw), (chosen[hw] or "none") if hw in chosen else "")
+            tables = load_tables(gpu) if gpu else None
             parts.append(_evaluate(rows, lambda key, n, t=tables: _Measured(key, n, t)))
         return pd.concat(parts).reindex(table.index)
     return _evaluate(table, lambda key, n: family_for(key, subset, n))

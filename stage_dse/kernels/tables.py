@@ -43,9 +43,14 @@ GPU_TABLES = {
 BACKEND = "trtllm"
 
 
-def table_set(hardware) -> str | None:
-    """The table set of a :class:`~stage_dse.spec.HardwareSpec` (None: no measured tables)."""
-    chosen = getattr(hardware, "measured_gpu", "") or GPU_TABLES.get(hardware.name)
+def table_set(hardware, chosen: str | None = None) -> str | None:
+    """The table set of a :class:`~stage_dse.spec.HardwareSpec`, or of a hardware name with an
+    explicit choice ``chosen`` (None: no measured tables). A choice of ``""`` means the
+    preset's default (:data:`GPU_TABLES`), ``"none"`` no tables."""
+    name = hardware if isinstance(hardware, str) else hardware.name
+    if chosen is None and not isinstance(hardware, str):
+        chosen = hardware.measured_gpu
+    chosen = chosen or GPU_TABLES.get(name)
     return None if chosen in (None, "", "none") else chosen
 
 
