@@ -102,7 +102,7 @@ def load_tables(gpu: str) -> MeasuredTables:
     if not (root / gpu).is_dir():
         have = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir()))
         raise ConfigError(f"hardware.measured_gpu={gpu!r} has no tables; tables exist for: {have}")
-    version = _newest(root / gpu / "gemm" / BACKEND)
+    version = _newest(root / gpu / "gemm" / BACKEND, "gemm_perf.parquet")
     cache = _cache_file(gpu, version)
     if cache is not None and cache.is_file():
         try:
@@ -142,7 +142,8 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
                 ("m", "n", "k"), g[["m", "n", "k"]].to_numpy(), g["latency"].to_numpy() * MS
             )
     att_dir = root / gpu / "attention" / BACKEND
-    a = pd.read_parquet(att_dir / _newest(att_dir) / "context_attention_perf.parquet")
+    name = "context_attention_perf.parquet"
+    a = pd.read_parquet(att_dir / _newest(att_dir, name) / name)
     a = a[
         (a["attn_dtype"] == "bfloat16")
         & (a["kv_cache_dtype"] == "bfloat16")
@@ -156,7 +157,7 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
                 ("batch", "seq"), g[["batch_size", "isl"]].to_numpy(), g["latency"].to_numpy() * MS
             )
     nccl_dir = root / gpu / "comm" / "nccl"
-    n = pd.read_parquet(nccl_dir / _newest(nccl_dir) / "nccl_perf.parquet")
+    n = pd.read_parquet(nccl_dir / _newest(nccl_dir, "nccl_perf.parquet") / "nccl_perf.parquet")
     n = n[n["nccl_dtype"] == "half"]
     nccl = {}
     for ours, theirs in NCCL_OPS.items():
@@ -169,10 +170,14 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
     return MeasuredTables(gpu, gemm, attention, nccl, version)
 
 
-def _newest(folder: Path) -> str:
+def _newest(folder: Path, table: str) -> str:
+    """The newest collection under ``folder`` that holds ``table`` (a newer collection may
+    only point back at an older one's data, e.g. b200_sxm gemm 1.3.0rc23's reuse.yaml)."""
     from packaging.version import Version
 
-    versions = [p.name for p in folder.iterdir() if p.is_dir()]
+    versions = (
+        [p.name for p in folder.iterdir() if (p / table).is_file()] if folder.is_dir() else []
+    )
     if not versions:
-        raise ConfigError(f"no measured tables under {folder}")
+        raise ConfigError(f"no measured {table} under {folder}")
     return max(versions, key=Version)
