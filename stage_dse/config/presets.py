@@ -20,6 +20,7 @@ __all__ = [
     "hardware_from_dict",
     "list_presets",
     "load_cluster",
+    "load_framework",
     "load_hardware",
     "load_model",
     "read_preset",
@@ -130,3 +131,30 @@ def load_hardware(name: str, **overrides: Any) -> HardwareSpec:
 
 def load_cluster(name: str, **overrides: Any) -> ClusterSpec:
     return cluster_from_dict({**read_preset("cluster", name), **overrides})
+
+
+FRAMEWORK_FIELDS = (
+    "attention",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "tp_dgrad_overlap",
+    "tp_comm_overlap",
+    "ep_comm_overlap",
+)
+"""Plan fields a framework profile (``conf/framework/<name>.yaml``) sets: what the framework
+does, not what the user chooses."""
+
+
+def load_framework(name: str) -> dict[str, Any]:
+    """The plan fields of a framework profile (``conf/framework/<name>.yaml``)."""
+    data = read_preset("framework", name)
+    data.pop("name", None)
+    unknown = sorted(set(data) - set(FRAMEWORK_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"framework.{unknown[0]} is not a known field; valid: {', '.join(FRAMEWORK_FIELDS)}"
+        )
+    for key, value in data.items():
+        if key != "attention" and not isinstance(value, bool):
+            raise ConfigError(f"framework.{key} must be true or false, got {value!r}")
+    return data
