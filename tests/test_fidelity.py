@@ -354,8 +354,7 @@ def test_groups_beyond_a_pod_share_an_oversubscribed_fabric():
 # ------------------------------------------------- backward tensor-parallel reductions
 def _gpt_22b_layer(plan_kwargs):
     """Korthikanti et al.'s 22B layer on one DGX A100 node (tp 8, micro-batch 4)."""
-    from stage_dse.validation.published import GPT_22B as model
-
+    model = load_model("gpt_22b")
     plan = ParallelPlan(micro_batch_size=4, attention="materialized", **plan_kwargs)
     training = TrainingSpec(seq_len=2048, global_batch_size=4 * plan.dp)
     cluster = load_cluster("dgx_a100", num_gpus=plan.num_gpus)

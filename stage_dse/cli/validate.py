@@ -1,85 +1,237 @@
-"""``stage-dse-validate``: predictions against published measurements (the tables of
-:mod:`stage_dse.validation.published`)."""
+"""``stage-dse-validate``: the model against the corpus of published, measured runs.
+
+Prints one line per case (published figure, prediction and signed error under each timing
+source, the plan the rule chose), one table per timing source with every group's error and
+its leave-one-source-out error, and the ranking agreement on published pairs. ``--fit`` reruns
+the fit of the physical parameters (:mod:`stage_dse.validation.fit`) and the
+leave-one-source-out folds; ``--record`` writes the figures the regression test guards
+(``stage_dse/validation/recorded.yaml``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
+from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import yaml
 
 from stage_dse.cli._common import one_line_errors
 from stage_dse.cost.table import TIMINGS
-from stage_dse.errors import StageDseError
-from stage_dse.validation.published import korthikanti_table4, narayanan_table1
+from stage_dse.errors import ConfigError
+from stage_dse.validation.corpus import load_corpus
+from stage_dse.validation.fit import Problem, apply_folds, leave_one_source_out, load_parameters
+from stage_dse.validation.report import group_summary, ranking_pairs
+from stage_dse.validation.run import corpus_hash, select
 
-__all__ = ["main"]
+__all__ = ["main", "recorded_path", "run"]
+
+
+def recorded_path() -> Path:
+    return Path(str(files("stage_dse.validation").joinpath("recorded.yaml")))
+
+
+def read_recorded() -> dict:
+    path = recorded_path()
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stage-dse-validate",
+        description="Predict every published run of the corpus (stage_dse/validation/corpus/) "
+        "and compare: per case, per group (source and target kind) with leave-one-source-out "
+        "error, and the ranking of published pairs. Both timing sources unless timing= says "
+        "one (measured needs the extra 'measured').",
+    )
+    p.add_argument("overrides", nargs="*", metavar="timing=roofline|measured")
+    p.add_argument("--kind", choices=("training", "serving"), help="only this kind of case")
+    p.add_argument("--source", action="append", default=[], help="only this source id (repeat)")
+    p.add_argument("--group", action="append", default=[], help="only this group (repeat)")
+    p.add_argument("--corpus", type=Path, help="also read the YAML records under this path")
+    p.add_argument("--out", type=Path, help="write every case's row to this .parquet file")
+    p.add_argument("--quiet", action="store_true", help="no per-case lines")
+    p.add_argument("--fit", action="store_true",
+                   help="refit the physical parameters and the leave-one-source-out folds "
+                   "(about a minute per timing source)")  # fmt: skip
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="write the groups' errors (and with --fit the folds) to recorded.yaml",
+    )
+    return p
 
 
 @one_line_errors("stage-dse-validate")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="stage-dse-validate",
-        description="Compare predictions with published measurements (Narayanan et al. SC21 "
-        "Table 1; Korthikanti et al. MLSys 2023 Table 4). timing=measured times kernels from "
-        "measured tables (extra 'measured') and prints both sources' summary lines.",
-    )
-    parser.add_argument("--hardware", default="a100_80gb", help="hardware preset")
-    parser.add_argument("--cluster", default="dgx_a100", help="cluster preset")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="timing=roofline|measured", help="the timing source"
-    )
-    args = parser.parse_args(argv)
-    timing = "roofline"
+    args = _parser().parse_args(argv)
+    timings = tuple(TIMINGS)
     for item in args.overrides:
         key, _, value = item.partition("=")
         if key != "timing" or value not in TIMINGS:
-            raise StageDseError(f"{item!r}: expected timing=roofline or timing=measured")
-        timing = value
-    summaries = []
-    for source in ("roofline", "measured") if timing == "measured" else ("roofline",):
-        t4 = korthikanti_table4(args.hardware, args.cluster, timing=source)
-        t1 = narayanan_table1(args.hardware, args.cluster, timing=source)
-        if source == timing:
-            _print_details(t1, t4, source)
-        summaries.append((source, t1, t4))
-    for source, t1, t4 in summaries:
-        tag = "" if timing == "roofline" else f" timing={source}"
-        errs = np.abs(t1["err_pct"].to_numpy())
-        print(f"table1 mean_abs_err_pct={errs.mean():.2f} max_abs_err_pct={errs.max():.2f}{tag}")
-        # Table 4: forward and backward of every experiment, 10 times in all
-        t4_errs = np.abs(
-            100
-            * np.concatenate(
-                [
-                    t4["predicted_forward_ms"] / t4["forward_ms"] - 1,
-                    t4["predicted_backward_ms"] / t4["backward_ms"] - 1,
-                ]
-            )
-        )
-        print(
-            f"table4 mean_abs_err_pct={t4_errs.mean():.2f} max_abs_err_pct={t4_errs.max():.2f}{tag}"
-        )
+            raise ConfigError(f"{item!r}: expected timing=roofline or timing=measured")
+        timings = (value,)
+    if args.out is not None and args.out.suffix != ".parquet":
+        raise ConfigError(f"--out {args.out}: give a .parquet file name")
+    if args.record and (args.kind or args.source or args.group or args.corpus):
+        raise ConfigError("--record records the whole packaged corpus: drop the filters")
+    run(args, timings)
     return 0
 
 
-def _print_details(t1, t4, source: str) -> None:
-    print(f"Korthikanti et al. Table 4: one 22B layer, TP 8, micro-batch 4 (ms), timing={source}")
-    for r in t4.itertuples():
+def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
+    t0 = time.process_time()
+    cases = select(load_corpus(None, args.corpus), args.kind, tuple(args.source), tuple(args.group))
+    if not cases:
+        raise ConfigError("no case matches --kind/--source/--group; see the corpus folder")
+    params = load_parameters()
+    recorded = read_recorded()
+    parts, fits = [], {}
+    for timing in timings:
+        problem = Problem(cases, timing)
+        if args.fit:
+            fitted, res = leave_one_source_out(problem, params)
+            fits[timing] = fitted
+        else:
+            folds = recorded.get("timings", {}).get(timing, {}).get("folds", {})
+            res = apply_folds(problem, params, folds)
+        res["timing_run"] = timing
+        parts.append(res)
+    results = pd.concat(parts, ignore_index=True)
+    if not args.quiet:
+        _print_cases(results, timings)
+    if args.fit:
+        _print_fit(fits)
+    summaries = {}
+    for timing in timings:
+        res = results[results["timing_run"] == timing]
+        pairs = ranking_pairs(res)
+        summaries[timing] = (group_summary(res, pairs), pairs, res)
+        _print_groups(timing, summaries[timing][0], pairs, res)
+    _print_notes(results, timings)
+    if recorded.get("corpus") and recorded["corpus"] != corpus_hash() and not args.fit:
+        print("note: the corpus changed since the recorded leave-one-source-out folds "
+              "(rerun with --fit --record)")  # fmt: skip
+    if args.record:
+        _record(summaries, fits, recorded)
+        print(f"recorded {recorded_path()}")
+    if args.out is not None:
+        results.to_parquet(args.out, index=False)
+        print(f"wrote {len(results)} rows to {args.out}")
+    print(f"validated {len(cases)} cases in {time.process_time() - t0:.1f} CPU-s")
+    return results
+
+
+def _fmt(v: float) -> str:
+    if not np.isfinite(v):
+        return "-"
+    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def _print_cases(results: pd.DataFrame, timings) -> None:
+    first = results[results["timing_run"] == timings[0]].set_index("case")
+    others = {t: results[results["timing_run"] == t].set_index("case") for t in timings[1:]}
+    head = "  ".join(f"{'pred ' + t[:4]:>9s} {'err':>7s}" for t in timings)
+    print(f"{'case':44s} {'kind':14s} {'published':>10s}  {head}  plan")
+    for cid, r in first.iterrows():
+        if r["status"] == "unexpressible":
+            print(f"{cid:44s} {r['kind']:14s} {_fmt(r['published']):>10s}  cannot express: "
+                  f"{r['reason']}")  # fmt: skip
+            continue
+        cells = [f"{_fmt(r['predicted']):>9s} {r['err_pct']:+6.1f}%"]
+        for t in timings[1:]:
+            o = others[t].loc[cid]
+            cells.append(f"{_fmt(o['predicted']):>9s} {o['err_pct']:+6.1f}%")
+        flag = "  (no allowed plan fits)" if r["status"] == "oom" else ""
+        print(f"{cid:44s} {r['kind']:14s} {_fmt(r['published']):>10s}  {'  '.join(cells)}  "
+              f"{r['plan']}{flag}")  # fmt: skip
+
+
+def _print_groups(timing: str, summary: pd.DataFrame, pairs: pd.DataFrame, res) -> None:
+    print(f"\ntiming={timing}: error % (negative: too fast / too little throughput ... see "
+          "README), leave-one-source-out (loso)")  # fmt: skip
+    print(f"  {'group':40s} {'n':>4s} {'cannot':>6s} {'mean|e|':>8s} {'max|e|':>8s} "
+          f"{'signed':>7s} {'loso':>7s} {'pairs':>7s}")  # fmt: skip
+    for r in summary.itertuples():
+        loso = getattr(r, "loso_mean_abs_pct", np.nan)
+        pair = f"{r.pairs_agree}/{r.pairs}" if r.pairs else "-"
         print(
-            f"  {r.experiment:42s} fwd {r.predicted_forward_ms:5.1f} vs {r.forward_ms:5.1f} "
-            f"({100 * (r.predicted_forward_ms / r.forward_ms - 1):+5.1f}%)  "
-            f"bwd {r.predicted_backward_ms:5.1f} vs {r.backward_ms:5.1f} "
-            f"({100 * (r.predicted_backward_ms / r.backward_ms - 1):+5.1f}%)"
+            f"  {r.group:40s} {r.n:4d} {r.unexpressible:6d} {r.mean_abs_pct:8.2f} "
+            f"{r.max_abs_pct:8.2f} {r.mean_signed_pct:+7.2f} {_fmt(loso):>7s} {pair:>7s}"
         )
-    print(f"Narayanan et al. Table 1: achieved TFLOP/s per GPU, timing={source}")
-    for r in t1.itertuples():
-        share = f"  measured {r.measured_share:.0%}" if source == "measured" else ""
+    for kind, grp in res.groupby("corpus", sort=False):
+        have = grp[grp["status"].isin(("ok", "oom"))]
+        err = have["err_pct"].to_numpy(float)
+        loso = have["loso_err_pct"].to_numpy(float) if "loso_err_pct" in have else np.array([])
+        loso = loso[np.isfinite(loso)]
+        mine = pairs[pairs["a"].isin(grp["case"])] if len(pairs) else pairs
         print(
-            f"  {r.model:11s} tp={r.tp:<2d} pp={r.pp:<2d} dp={r.dp:<3d} gpus={r.num_gpus:<5d} "
-            f"micro_batch={r.micro_batch:<2d} chunks={r.virtual_stages:<2d} "
-            f"predicted {r.predicted_tflops:6.1f} published {r.published_tflops:6.1f} "
-            f"err {r.err_pct:+5.1f}%  mfu {r.mfu:.3f}{share}"
+            f"{kind} timing={timing} n={len(have)} cannot_express="
+            f"{int((grp['status'] == 'unexpressible').sum())} "
+            f"mean_abs_err_pct={np.mean(np.abs(err)):.2f} mean_signed_err_pct={np.mean(err):+.2f} "
+            f"loso_mean_abs_err_pct={np.mean(np.abs(loso)) if len(loso) else float('nan'):.2f} "
+            f"pairs_agree={int(mine['agrees'].sum()) if len(mine) else 0}/{len(mine)}"
         )
+
+
+def _print_notes(results: pd.DataFrame, timings) -> None:
+    if "measured" in timings:
+        res = results[results["timing_run"] == "measured"]
+        if (res["corpus"] == "serving").any():
+            print("note: timing=measured: serving programs have no measured path yet; serving "
+                  "cases use the roofline under both timings")  # fmt: skip
+
+
+def _print_fit(fits: dict) -> None:
+    for timing, f in fits.items():
+        print(f"\nfit timing={timing}: parameter, preset value, fitted on every source, "
+              "range over the leave-one-source-out folds")  # fmt: skip
+        for p in f.params:
+            if p.name not in f.theta:
+                continue
+            folds = [fold[p.name] for fold in f.folds.values() if p.name in fold]
+            print(
+                f"  {p.name:28s} {f.start[p.name]:.3f} -> {f.theta[p.name]:.3f}  "
+                f"folds {min(folds):.3f}-{max(folds):.3f}  range [{p.lower}, {p.upper}]"
+            )
+
+
+def _record(summaries: dict, fits: dict, recorded: dict) -> None:
+    out = {"corpus": corpus_hash(), "timings": {}}
+    for timing, (summary, _, _) in summaries.items():
+        old = recorded.get("timings", {}).get(timing, {})
+        folds = (
+            {s: {k: round(v, 4) for k, v in th.items()} for s, th in fits[timing].folds.items()}
+            if timing in fits
+            else old.get("folds", {})
+        )
+        groups = {}
+        for r in summary.to_dict("records"):
+            groups[r["group"]] = {
+                k: (round(float(r[k]), 2) if isinstance(r[k], float) else int(r[k]))
+                for k in (
+                    "n",
+                    "unexpressible",
+                    "mean_abs_pct",
+                    "max_abs_pct",
+                    "mean_signed_pct",
+                    "loso_mean_abs_pct",
+                    "pairs",
+                    "pairs_agree",
+                )
+                if k in r and r[k] == r[k]
+            }
+        out["timings"][timing] = {"groups": groups, "folds": folds}
+    head = (
+        "# Written by `stage-dse-validate --record` (folds by `--fit --record`): each group's\n"
+        "# errors (%) on the packaged corpus, guarded by tests/test_corpus.py (a group's mean\n"
+        "# or leave-one-source-out error may not rise more than one point above these), and the\n"
+        "# parameters fitted without each source (the leave-one-source-out folds).\n"
+    )
+    recorded_path().write_text(head + yaml.safe_dump(out, sort_keys=False, width=100))
 
 
 if __name__ == "__main__":  # pragma: no cover

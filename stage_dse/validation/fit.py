@@ -1,0 +1,275 @@
+"""Fitting the model's physical parameters on the corpus, and leave-one-source-out error.
+
+The parameters that may move are listed in ``parameters.yaml`` beside this module: each is a
+symbol column (``gemm_efficiency``, ``inter_efficiency``, ...) of the rows of some hardware or
+cluster presets, bounded by the range a cited measurement supports. Nothing is fitted per case.
+
+**Procedure** (:func:`fit`), rerun with ``stage-dse-validate --fit``:
+
+1. every case is prepared once (its candidate plans, its serving row);
+2. the loss is the mean over sources of each source's mean ``|ln(predicted / published)|``
+   (each source weighs the same, however many figures it has), unstated choices re-chosen by
+   the fastest-plan-that-fits rule at every evaluation;
+3. coordinate descent from the presets' values: for each parameter in turn, a golden-section
+   search over its range on the cases it touches (the loss of the others does not change),
+   kept only if it lowers the loss; two sweeps over all parameters.
+
+**Leave one source out** (:func:`leave_one_source_out`): for every source, the fit is rerun
+without its cases and the source is predicted with those parameters. A parameter that no
+remaining case touches keeps its preset value. That error is the figure that counts: a change
+that lowers the in-sample error and raises this one has fitted noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib.resources import files
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from stage_dse.errors import ConfigError
+from stage_dse.validation.corpus import Case
+from stage_dse.validation.serving import Prepared, evaluate_serving, prepare
+from stage_dse.validation.training import build_table, evaluate_training
+
+__all__ = ["FitResult", "Parameter", "Problem", "fit", "leave_one_source_out", "load_parameters"]
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    column: str
+    lower: float
+    upper: float
+    hardware: tuple[str, ...] = ()
+    cluster: tuple[str, ...] = ()
+
+    def mask(self, table: pd.DataFrame) -> np.ndarray:
+        if not len(table):
+            return np.zeros(0, dtype=bool)
+        m = np.zeros(len(table), dtype=bool)
+        if self.hardware:
+            m |= table["hardware"].isin(self.hardware).to_numpy()
+        if self.cluster:
+            m |= table["cluster"].isin(self.cluster).to_numpy()
+        return m
+
+
+def load_parameters(text: str | None = None) -> list[Parameter]:
+    """The parameters of ``parameters.yaml`` (or of ``text``)."""
+    if text is None:
+        text = files("stage_dse.validation").joinpath("parameters.yaml").read_text()
+    doc = yaml.safe_load(text) or {}
+    out = []
+    for p in doc.get("parameters", []):
+        lo, hi = p["range"]
+        if not 0 < lo < hi:
+            raise ConfigError(f"parameters.yaml: {p['name']}: range must be 0 < low < high")
+        out.append(
+            Parameter(
+                name=p["name"],
+                column=p["column"],
+                lower=float(lo),
+                upper=float(hi),
+                hardware=tuple(p.get("hardware", ())),
+                cluster=tuple(p.get("cluster", ())),
+            )
+        )
+    return out
+
+
+class Problem:
+    """Cases prepared once, evaluated under any parameter values."""
+
+    def __init__(self, cases: list[Case], timing: str = "roofline") -> None:
+        self.cases = cases
+        self.timing = timing
+        self.training = [c for c in cases if c.kind == "training"]
+        self.serving = [c for c in cases if c.kind == "serving"]
+        self.table, self.info = build_table(self.training)
+        self.prepared = prepare(self.serving)
+        self._subs: dict[str, Problem] = {}
+
+    def subset(self, cases: list[Case]) -> Problem:
+        """The same preparation restricted to ``cases`` (nothing is rebuilt)."""
+        ids = {c.id for c in cases}
+        new = object.__new__(Problem)
+        new.cases = [c for c in self.cases if c.id in ids]
+        new.timing = self.timing
+        new.training = [c for c in new.cases if c.kind == "training"]
+        new.serving = [c for c in new.cases if c.kind == "serving"]
+        new.table = self.table[self.table["case"].isin(ids)] if len(self.table) else self.table
+        new.info = {k: v for k, v in self.info.items() if k in ids}
+        old = self.prepared
+        keep = [cid for cid in old.index if cid in ids]
+        rows = [old.index[cid] for cid in keep]
+        new.prepared = Prepared(
+            old.table.iloc[rows].reset_index(drop=True) if rows else old.table.iloc[:0],
+            [old.keys[i] for i in rows],
+            {cid: j for j, cid in enumerate(keep)},
+            {k: v for k, v in old.unexpressible.items() if k in ids},
+        )
+        new._subs = {}
+        return new
+
+    def touching(self, p: Parameter) -> Problem:
+        """The cases ``p`` changes, prepared (cached)."""
+        if p.name not in self._subs:
+            self._subs[p.name] = self.subset(self.touched(p))
+        return self._subs[p.name]
+
+    def _apply(self, table: pd.DataFrame, params: list[Parameter], theta: dict) -> pd.DataFrame:
+        if not theta or not len(table):
+            return table
+        table = table.copy()
+        for p in params:
+            if p.name in theta:
+                m = p.mask(table)
+                if m.any():
+                    table.loc[m, p.column] = theta[p.name]
+        return table
+
+    def evaluate(self, params: list[Parameter] | None = None, theta=None) -> pd.DataFrame:
+        params, theta = params or [], theta or {}
+        parts = []
+        if self.training:
+            t = self._apply(self.table, params, theta)
+            parts.append(evaluate_training(self.training, self.timing, t, self.info))
+        if self.serving:
+            s = self._apply(self.prepared.table, params, theta)
+            parts.append(evaluate_serving(self.serving, self.prepared, s))
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    def start(self, p: Parameter) -> float | None:
+        """The presets' value of ``p`` (from the first row it applies to)."""
+        for table in (self.table, self.prepared.table):
+            m = p.mask(table)
+            if m.any():
+                return float(table.loc[m, p.column].iloc[0])
+        return None
+
+    def touched(self, p: Parameter) -> list[Case]:
+        ids = set()
+        if len(self.table):
+            ids |= set(self.table.loc[p.mask(self.table), "case"])
+        if len(self.prepared.table):
+            rows = set(np.flatnonzero(p.mask(self.prepared.table)))
+            ids |= {cid for cid, i in self.prepared.index.items() if i in rows}
+        return [c for c in self.cases if c.id in ids]
+
+
+def loss(results: pd.DataFrame, exclude: str | None = None) -> float:
+    """Mean over sources of the mean ``|ln(predicted/published)|`` (``exclude``: a source
+    left out)."""
+    have = results[results["status"].isin(("ok", "oom")) & (results["source"] != exclude)]
+    if have.empty:
+        return 0.0
+    err = np.abs(np.log1p(have["err_pct"].to_numpy(dtype=float) / 100))
+    per_source = pd.Series(err, index=have["source"].to_numpy()).groupby(level=0).mean()
+    return float(per_source.sum())
+
+
+@dataclass
+class FitResult:
+    timing: str
+    params: list[Parameter]
+    start: dict[str, float]
+    theta: dict[str, float]
+    folds: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def fit(
+    problem: Problem, params: list[Parameter], exclude: str | None = None, sweeps: int = 2
+) -> dict[str, float]:
+    """Parameter values minimizing :func:`loss` without source ``exclude`` (see the module
+    docstring)."""
+    theta: dict[str, float] = {}
+    subs: dict[str, Problem] = {}
+    for p in params:
+        start = problem.start(p)
+        if start is None:
+            continue
+        theta[p.name] = min(max(start, p.lower), p.upper)
+        sub = problem.touching(p)
+        if any(c.source.id != exclude for c in sub.cases):
+            subs[p.name] = sub
+    for _ in range(sweeps):
+        for p in params:
+            sub = subs.get(p.name)
+            if sub is None:
+                continue
+
+            def f(v: float, p=p, sub=sub) -> float:
+                return loss(sub.evaluate(params, {**theta, p.name: v}), exclude)
+
+            theta[p.name] = _golden(f, p.lower, p.upper, theta[p.name])
+    return theta
+
+
+def _golden(f, lo: float, hi: float, current: float, tol: float = 2e-3) -> float:
+    """Minimum of ``f`` on ``[lo, hi]`` by golden-section search; ``current`` unless the
+    search finds lower."""
+    best_v, best = current, f(current)
+    a, b = lo, hi
+    c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
+    fc, fd = f(c), f(d)
+    for v, fv in ((c, fc), (d, fd)):
+        if fv < best:
+            best_v, best = v, fv
+    while b - a > tol:
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - GOLDEN * (b - a)
+            fc = f(c)
+            v, fv = c, fc
+        else:
+            a, c, fc = c, d, fd
+            d = a + GOLDEN * (b - a)
+            fd = f(d)
+            v, fv = d, fd
+        if fv < best:
+            best_v, best = v, fv
+    return float(best_v)
+
+
+def leave_one_source_out(
+    problem: Problem, params: list[Parameter]
+) -> tuple[FitResult, pd.DataFrame]:
+    """The all-source fit and, per source, the fit without it; returns them and the cases'
+    results with ``fit_err_pct`` (all-source parameters) and ``loso_err_pct``."""
+    start = {p.name: v for p in params if (v := problem.start(p)) is not None}
+    theta = fit(problem, params)
+    result = FitResult(problem.timing, params, start, theta)
+    base = problem.evaluate()
+    fitted = problem.evaluate(params, theta)
+    loso = pd.Series(np.nan, index=base["case"].to_numpy())
+    for source in sorted(base["source"].unique()):
+        fold = fit(problem, params, exclude=source)
+        result.folds[source] = fold
+        held = problem.subset([c for c in problem.cases if c.source.id == source])
+        held = held.evaluate(params, fold)
+        loso.loc[held["case"].to_numpy()] = held["err_pct"].to_numpy()
+    out = base.copy()
+    out["fit_err_pct"] = fitted["err_pct"].to_numpy()
+    out["loso_err_pct"] = loso.loc[out["case"].to_numpy()].to_numpy()
+    return result, out
+
+
+def apply_folds(problem: Problem, params: list[Parameter], folds: dict) -> pd.DataFrame:
+    """Every case predicted with the recorded parameters fitted without its source
+    (``loso_err_pct``; NaN for a source without a recorded fold)."""
+    base = problem.evaluate()
+    loso = pd.Series(np.nan, index=base["case"].to_numpy())
+    for source, theta in folds.items():
+        cases = [c for c in problem.cases if c.source.id == source]
+        if not cases:
+            continue
+        held = problem.subset(cases).evaluate(params, theta)
+        loso.loc[held["case"].to_numpy()] = held["err_pct"].to_numpy()
+    base["loso_err_pct"] = loso.loc[base["case"].to_numpy()].to_numpy()
+    return base

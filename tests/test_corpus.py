@@ -1,0 +1,276 @@
+"""The validation corpus: its files' schema, the flop conventions, the harness, the fit, and the
+guard on every group's recorded error."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.bind import evaluate_plan
+from stage_dse.spec import ParallelPlan, TrainingSpec
+from stage_dse.validation.conventions import flops_per_step
+from stage_dse.validation.corpus import CorpusError, load_corpus, read_file
+from stage_dse.validation.fit import Parameter, Problem, fit, leave_one_source_out, loss
+from stage_dse.validation.report import group_summary, ranking_pairs
+from stage_dse.validation.serving import prepare
+from stage_dse.validation.training import Unexpressible, training_setup
+
+CASES = load_corpus()
+
+
+# ------------------------------------------------------------------------------ the files
+def test_corpus_is_large_and_cites_every_figure():
+    training = [c for c in CASES if c.kind == "training"]
+    serving = [c for c in CASES if c.kind == "serving"]
+    assert len(training) >= 60 and len(serving) >= 100
+    sources = {c.source.id for c in CASES}
+    assert len(sources) >= 12
+    for c in CASES:
+        assert c.source.citation and (c.source.url or c.source.commit)
+        assert c.fields["where"], c.id
+
+
+def test_every_training_case_resolves_or_names_what_is_missing():
+    for case in (c for c in CASES if c.kind == "training"):
+        try:
+            setup = training_setup(case)
+        except Unexpressible as exc:
+            assert str(exc), case.id
+            continue
+        assert setup.plans or setup.rejected, case.id
+
+
+def test_every_serving_case_resolves_or_names_what_is_missing():
+    serving = [c for c in CASES if c.kind == "serving"]
+    prepared = prepare(serving)
+    assert len(prepared.index) + len(prepared.unexpressible) == len(serving)
+    assert all(prepared.unexpressible.values())
+
+
+GOOD = """\
+source: {id: test_src, citation: "A paper, Table 9", url: "https://example.org", kind: training}
+defaults: {framework: megatron_core, hardware: h100_sxm, cluster: dgx_h100, seq_len: 4096}
+runs:
+  - {id: t1, where: "Table 9 row 1", model: llama3_8b, gpus: 8, tp: 1, pp: 1, global_batch: 64,
+     micro_batch: 2, recompute: none, zero: 1, target: {kind: iter_s, value: 2.5}}
+"""
+
+
+def _write(tmp_path, text, name="bad.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_good_file_loads(tmp_path):
+    (case,) = read_file(_write(tmp_path, GOOD))
+    assert case.group == "test_src/iter_s" and case.value == 2.5
+    assert case.fields["framework"] == "megatron_core"  # from defaults
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("micro_batch: 2,", "micro_batch: 2, colour: red,"), "unknown field 'colour'"),
+        (("gpus: 8,", ""), "missing field 'gpus'"),
+        (("kind: iter_s", "kind: seconds"), "target.kind='seconds' is not one of: iter_s"),
+        (("value: 2.5", "value: -1"), "target.value must be a number > 0, got -1"),
+        (("tp: 1,", "tp: one,"), "tp must be int, got 'one'"),
+        (('citation: "A paper, Table 9", ', ""), "source.citation is missing"),
+        (('url: "https://example.org", ', ""), "source needs a url (paper) or a commit"),
+        (
+            ("kind: iter_s, value: 2.5", "kind: tflops_per_gpu, value: 300"),
+            "target.flops is missing: say how the source counts flops",
+        ),
+        (
+            ("kind: iter_s, value: 2.5", "kind: mfu_pct, value: 40, flops: {attention: half}"),
+            "target.flops.attention='half' is not one of: none, full, causal",
+        ),
+        (
+            ("micro_batch: 2,", "micro_batch: 2, candidates: {recompute: [none, full]},"),
+            "candidates.recompute given but recompute is stated",
+        ),
+        (("runs:", "runs: [oops]\nextra:"), "unknown top-level key 'extra'"),
+    ],
+)
+def test_bad_records_give_one_line_naming_file_run_and_field(tmp_path, edit, message):
+    old, new = edit
+    assert old in GOOD
+    with pytest.raises(CorpusError) as info:
+        read_file(_write(tmp_path, GOOD.replace(old, new, 1)))
+    text = str(info.value)
+    assert message in text and "\n" not in text
+    assert text.startswith("bad.yaml")
+
+
+def test_not_yaml_names_the_line(tmp_path):
+    with pytest.raises(CorpusError, match=r"bad.yaml: line \d+ not valid YAML"):
+        read_file(_write(tmp_path, "source: {id: x\nruns: [\n"))
+
+
+def test_duplicate_ids_and_sources_are_refused(tmp_path):
+    _write(tmp_path, GOOD, "a.yaml")
+    _write(tmp_path, GOOD, "b.yaml")
+    with pytest.raises(CorpusError, match=r"b\.yaml: run t1: id already used in a\.yaml"):
+        load_corpus("training", tmp_path)
+
+
+def test_user_records_join_the_corpus(tmp_path):
+    _write(tmp_path, GOOD, "mine.yaml")
+    cases = load_corpus("training", tmp_path)
+    assert cases[-1].id == "t1" and len(cases) == 1 + len(
+        [c for c in CASES if c.kind == "training"]
+    )
+
+
+# ---------------------------------------------------------------------- flop conventions
+def test_narayanan_eq3_is_the_full_recompute_convention():
+    """F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) (Narayanan et al. SC21 eq. 3)."""
+    m = load_model("gpt3_175b")
+    B, s, n, h, V = 1536, 2048, m.num_layers, m.hidden_size, m.vocab_size
+    eq3 = 96 * B * s * n * h**2 * (1 + s / (6 * h) + V / (16 * n * h))
+    conv = {"attention": "full", "recompute": "full", "logits": True}
+    assert flops_per_step(m, s, B, conv) == pytest.approx(eq3, rel=1e-12)
+    no_recompute = {"attention": "full", "recompute": "none", "logits": True}
+    eq3_72 = 72 * B * s * n * h**2 * (1 + s / (6 * h) + V / (12 * n * h))
+    assert flops_per_step(m, s, B, no_recompute) == pytest.approx(eq3_72, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "mixtral_8x7b", "deepseek_v3"])
+def test_model_flops_convention_equals_the_graphs_matmul_flops(name):
+    """Full attention, no recompute, logits counted: three forward passes of every matmul the
+    symbolic graph records (GQA, SwiGLU, routed + shared experts, latent attention)."""
+    m = load_model(name)
+    training = TrainingSpec(seq_len=4096, global_batch_size=8)
+    r = evaluate_plan(m, training, ParallelPlan(dp=8, micro_batch_size=1, ep=8 if m.is_moe else 1))
+    conv = {"attention": "full", "recompute": "none", "logits": True}
+    assert flops_per_step(m, 4096, 8, conv) == pytest.approx(r["model_flops"], rel=2e-3)
+    causal = {**conv, "attention": "causal"}
+    assert flops_per_step(m, 4096, 8, causal) < flops_per_step(m, 4096, 8, conv)
+
+
+# -------------------------------------------------------------------------- the harness
+def test_rankings_count_only_distinct_published_pairs():
+    res = pd.DataFrame(
+        {
+            "case": ["a", "b", "c"],
+            "status": ["ok"] * 3,
+            "source": ["s"] * 3,
+            "group": ["s/iter_s"] * 3,
+            "kind": ["iter_s"] * 3,
+            "model": ["m"] * 3,
+            "hardware": ["h"] * 3,
+            "num_gpus": [8] * 3,
+            "workload": ["w"] * 3,
+            "plan": ["p1", "p2", "p3"],
+            "published": [10.0, 12.0, 10.1],  # a vs c: a tie (1%)
+            "predicted": [11.0, 9.0, 11.5],
+            "err_pct": [10.0, -25.0, 13.9],
+        }
+    )
+    pairs = ranking_pairs(res)
+    assert sorted(zip(pairs["a"], pairs["b"])) == [("a", "b"), ("b", "c")]
+    # published: a faster than b (10 < 12 s); predicted: b faster: disagree
+    assert not pairs.set_index(["a", "b"]).loc[("a", "b"), "agrees"]
+    summary = group_summary(res, pairs)
+    assert summary.loc[0, "pairs"] == 2 and summary.loc[0, "pairs_agree"] == 0
+    assert summary.loc[0, "mean_abs_pct"] == pytest.approx((10 + 25 + 13.9) / 3)
+
+
+def _t1():
+    return [c for c in CASES if c.source.id == "narayanan2021_t1"]
+
+
+def test_unstated_choices_take_the_fastest_plan_that_fits():
+    case = _t1()[4]  # 39.1B on 512 GPUs: micro-batch and chunks unstated
+    setup = training_setup(case)
+    assert {p.micro_batch_size for p in setup.plans} >= {1, 2}
+    assert {p.virtual_stages for p in setup.plans} >= {1, 2}
+    res = Problem([case]).evaluate()
+    chosen = res.loc[0, "plan"]
+    hw, cl = load_hardware("a100_80gb"), load_cluster("dgx_a100", num_gpus=512)
+    model = load_model(case.fields["model"])
+    best = None
+    for plan in setup.plans:
+        r = evaluate_plan(model, setup.training, plan, hardware=hw, cluster=cl)
+        if r["mem_headroom_bytes"] >= 0 and (best is None or r["step_s"] < best[0]):
+            best = (r["step_s"], plan)
+    assert res.loc[0, "predicted_s"] == pytest.approx(best[0], rel=1e-9)
+    assert f"mb{best[1].micro_batch_size}" in chosen
+
+
+def test_fit_recovers_a_known_efficiency_from_synthetic_measurements():
+    """Figures the model itself produces at GEMM efficiency 0.66 are fitted back to 0.66 from
+    the preset's 0.75: the procedure finds what the data say."""
+    p = Parameter("gemm_efficiency/a100", "gemm_efficiency", 0.5, 0.93, hardware=("a100_80gb",))
+    truth = Problem(_t1()).evaluate([p], {p.name: 0.66})
+    synthetic = [
+        dataclasses.replace(case, value=float(v)) for case, v in zip(_t1(), truth["predicted"])
+    ]
+    problem = Problem(synthetic)
+    assert loss(problem.evaluate()) > 0.05
+    theta = fit(problem, [p], sweeps=1)
+    assert theta[p.name] == pytest.approx(0.66, abs=0.004)
+    assert loss(problem.evaluate([p], theta)) < 2e-3
+
+
+def test_a_parameter_only_the_held_out_source_touches_keeps_its_preset_value():
+    cases = _t1()[:3] + [c for c in CASES if c.source.id == "llama3_t4"][:1]
+    params = [
+        Parameter("gemm_efficiency/a100", "gemm_efficiency", 0.5, 0.93, hardware=("a100_80gb",)),
+        Parameter("gemm_efficiency/h100", "gemm_efficiency", 0.5, 0.86, hardware=("h100_sxm",)),
+    ]
+    result, out = leave_one_source_out(Problem(cases), params)
+    assert result.folds["llama3_t4"]["gemm_efficiency/h100"] == result.start["gemm_efficiency/h100"]
+    assert result.folds["narayanan2021_t1"]["gemm_efficiency/a100"] == pytest.approx(0.75)
+    assert np.isfinite(out["loso_err_pct"]).all()
+
+
+# ------------------------------------------------------------------------ the guard
+@pytest.fixture(scope="module")
+def validation():
+    from stage_dse.cli.validate import read_recorded
+    from stage_dse.validation.fit import apply_folds, load_parameters
+
+    recorded = read_recorded()
+    params = load_parameters()
+    out = {}
+    for timing in ("roofline", "measured"):
+        folds = recorded["timings"][timing]["folds"]
+        res = apply_folds(Problem(CASES, timing), params, folds)
+        out[timing] = group_summary(res).set_index("group")
+    return recorded, out
+
+
+def test_recorded_figures_belong_to_this_corpus(validation):
+    from stage_dse.validation.run import corpus_hash
+
+    recorded, _ = validation
+    assert recorded["corpus"] == corpus_hash(), (
+        "the corpus changed: rerun `stage-dse-validate --fit --record` and commit recorded.yaml"
+    )
+
+
+@pytest.mark.parametrize("timing", ["roofline", "measured"])
+def test_no_group_got_worse_than_recorded(validation, timing):
+    """Each group's mean and leave-one-source-out error may not rise more than one point above
+    the recorded value (stage_dse/validation/recorded.yaml): a change that makes fidelity worse
+    fails here, naming the group; recording a better value belongs to the change earning it."""
+    recorded, now = validation
+    worse = []
+    for group, rec in recorded["timings"][timing]["groups"].items():
+        assert group in now.index, f"group {group} disappeared"
+        for col in ("mean_abs_pct", "loso_mean_abs_pct"):
+            if col in rec and now.loc[group, col] > rec[col] + 1.0:
+                worse.append(f"{group} {col} {rec[col]:.2f} -> {now.loc[group, col]:.2f}")
+        if now.loc[group, "pairs_agree"] < rec.get("pairs_agree", 0):
+            worse.append(
+                f"{group} pairs_agree {rec['pairs_agree']} -> {now.loc[group, 'pairs_agree']}"
+            )
+    assert not worse, "timing=" + timing + ": " + "; ".join(worse)
+    assert set(now.index) <= set(recorded["timings"][timing]["groups"]), "unrecorded groups"
