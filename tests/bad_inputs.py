@@ -86,7 +86,13 @@ CASES: list[tuple[str, list[str], str]] = [
         "serving.phase",
     ),
     ("stage-dse-plot", ["{tmp}/missing"], "missing"),
-    ("stage-dse-validate", ["--hardware", "nope"], "hardware"),
+    ("stage-dse-validate", ["--hardware", "nope"], "--hardware"),
+    ("stage-dse-validate", ["--kind", "inference"], "--kind"),
+    ("stage-dse-validate", ["--source", "nope"], "--source nope"),
+    ("stage-dse-validate", ["--group", "nope/iter_s"], "--group nope/iter_s"),
+    ("stage-dse-validate", ["--out", "{tmp}/cases.csv"], "--out"),
+    ("stage-dse-validate", ["--corpus", "{tmp}/missing"], "--corpus"),
+    ("stage-dse-validate", ["--record", "--kind", "training"], "--record"),
 ]
 
 

@@ -17,8 +17,9 @@ from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import CorpusError, load_corpus, read_file
 from stage_dse.validation.fit import Parameter, Problem, fit, leave_one_source_out, loss
 from stage_dse.validation.report import group_summary, ranking_pairs
+from stage_dse.validation.resolve import Unexpressible
 from stage_dse.validation.serving import prepare
-from stage_dse.validation.training import Unexpressible, training_setup
+from stage_dse.validation.training import training_setup
 
 CASES = load_corpus()
 
@@ -261,7 +262,8 @@ def test_no_group_got_worse_than_recorded(validation, timing):
     """Each group's mean and leave-one-source-out error may not rise more than one point above
     the recorded value (stage_dse/validation/recorded.yaml): a change that makes fidelity worse
     fails here, naming the group; recording a better value belongs to the change earning it."""
-    recorded, now = validation
+    recorded, summaries = validation
+    now = summaries[timing]
     worse = []
     for group, rec in recorded["timings"][timing]["groups"].items():
         assert group in now.index, f"group {group} disappeared"
@@ -274,3 +276,21 @@ def test_no_group_got_worse_than_recorded(validation, timing):
             )
     assert not worse, "timing=" + timing + ": " + "; ".join(worse)
     assert set(now.index) <= set(recorded["timings"][timing]["groups"]), "unrecorded groups"
+
+
+# ------------------------------------------------------------------------ the command
+def test_validate_prints_cases_groups_and_writes_rows(tmp_path, capsys):
+    from stage_dse.cli.validate import main
+
+    _write(tmp_path, GOOD, "mine.yaml")
+    out = tmp_path / "cases.parquet"
+    argv = ["timing=roofline", "--source", "test_src", "--source", "narayanan2021_t1"]
+    assert main([*argv, "--corpus", str(tmp_path / "mine.yaml"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    # one line per case with its plan, one per group, one summary per kind
+    assert "narayanan2021_t1_1p7b" in text and "dp32 tp1 pp1" in text
+    assert "test_src/iter_s" in text and "narayanan2021_t1/tflops_per_gpu" in text
+    assert "training timing=roofline n=11 " in text
+    rows = pd.read_parquet(out)
+    assert len(rows) == 11 and set(rows["timing_run"]) == {"roofline"}
+    assert rows.loc[rows["case"] == "t1", "published"].item() == 2.5

@@ -39,8 +39,15 @@ def read_recorded() -> dict:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), like every other bad input."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{message} (see stage-dse-validate --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="stage-dse-validate",
         description="Predict every published run of the corpus (stage_dse/validation/corpus/) "
         "and compare: per case, per group (source and target kind) with leave-one-source-out "
@@ -56,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-case lines")
     p.add_argument("--fit", action="store_true",
                    help="refit the physical parameters and the leave-one-source-out folds "
-                   "(about a minute per timing source)")  # fmt: skip
+                   "(3-9 minutes per timing source on 2 cores)")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
@@ -84,9 +91,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
     t0 = time.process_time()
-    cases = select(load_corpus(None, args.corpus), args.kind, tuple(args.source), tuple(args.group))
+    every = load_corpus(None, args.corpus)
+    for flag, names, known in (
+        ("--source", args.source, {c.source.id for c in every}),
+        ("--group", args.group, {c.group for c in every}),
+    ):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ConfigError(
+                f"{flag} {unknown[0]}: no such {flag[2:]} in the corpus; valid: "
+                + ", ".join(sorted(known))
+            )
+    cases = select(every, args.kind, tuple(args.source), tuple(args.group))
     if not cases:
-        raise ConfigError("no case matches --kind/--source/--group; see the corpus folder")
+        raise ConfigError("no case matches --kind/--source/--group together")
     params = load_parameters()
     recorded = read_recorded()
     parts, fits = [], {}
@@ -131,14 +149,18 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
 
 
+def _pct(v: float, sign: str = "") -> str:
+    return f"{v:{sign}.2f}" if np.isfinite(v) else "-"
+
+
 def _print_cases(results: pd.DataFrame, timings) -> None:
     first = results[results["timing_run"] == timings[0]].set_index("case")
     others = {t: results[results["timing_run"] == t].set_index("case") for t in timings[1:]}
     head = "  ".join(f"{'pred ' + t[:4]:>9s} {'err':>7s}" for t in timings)
-    print(f"{'case':44s} {'kind':14s} {'published':>10s}  {head}  plan")
+    print(f"{'case':60s} {'kind':20s} {'published':>10s}  {head}  plan")
     for cid, r in first.iterrows():
         if r["status"] == "unexpressible":
-            print(f"{cid:44s} {r['kind']:14s} {_fmt(r['published']):>10s}  cannot express: "
+            print(f"{cid:60s} {r['kind']:20s} {_fmt(r['published']):>10s}  cannot express: "
                   f"{r['reason']}")  # fmt: skip
             continue
         cells = [f"{_fmt(r['predicted']):>9s} {r['err_pct']:+6.1f}%"]
@@ -146,21 +168,22 @@ def _print_cases(results: pd.DataFrame, timings) -> None:
             o = others[t].loc[cid]
             cells.append(f"{_fmt(o['predicted']):>9s} {o['err_pct']:+6.1f}%")
         flag = "  (no allowed plan fits)" if r["status"] == "oom" else ""
-        print(f"{cid:44s} {r['kind']:14s} {_fmt(r['published']):>10s}  {'  '.join(cells)}  "
+        print(f"{cid:60s} {r['kind']:20s} {_fmt(r['published']):>10s}  {'  '.join(cells)}  "
               f"{r['plan']}{flag}")  # fmt: skip
 
 
 def _print_groups(timing: str, summary: pd.DataFrame, pairs: pd.DataFrame, res) -> None:
     print(f"\ntiming={timing}: error % (negative: too fast / too little throughput ... see "
           "README), leave-one-source-out (loso)")  # fmt: skip
-    print(f"  {'group':40s} {'n':>4s} {'cannot':>6s} {'mean|e|':>8s} {'max|e|':>8s} "
+    print(f"  {'group':50s} {'n':>4s} {'cannot':>6s} {'mean|e|':>8s} {'max|e|':>8s} "
           f"{'signed':>7s} {'loso':>7s} {'pairs':>7s}")  # fmt: skip
     for r in summary.itertuples():
         loso = getattr(r, "loso_mean_abs_pct", np.nan)
         pair = f"{r.pairs_agree}/{r.pairs}" if r.pairs else "-"
         print(
-            f"  {r.group:40s} {r.n:4d} {r.unexpressible:6d} {r.mean_abs_pct:8.2f} "
-            f"{r.max_abs_pct:8.2f} {r.mean_signed_pct:+7.2f} {_fmt(loso):>7s} {pair:>7s}"
+            f"  {r.group:50s} {r.n:4d} {r.unexpressible:6d} {_pct(r.mean_abs_pct):>8s} "
+            f"{_pct(r.max_abs_pct):>8s} {_pct(r.mean_signed_pct, '+'):>7s} {_pct(loso):>7s} "
+            f"{pair:>7s}"
         )
     for kind, grp in res.groupby("corpus", sort=False):
         have = grp[grp["status"].isin(("ok", "oom"))]

@@ -12,7 +12,10 @@ evaluated together. Modes:
   step;
 * ``online_rate``: the same at Poisson arrivals of ``request_rate`` requests/s, spread over the
   replicas on ``n_gpus``; throughput is what the replicas complete;
-* ``closed_loop`` (N concurrent clients) is not modelled and is reported as such.
+* ``burst``: ``num_requests`` sent at once (an infinite request rate): throughput and TPOT of
+  the saturated engine; the TTFT of a burst (its queueing) is not modelled;
+* ``closed_loop`` (N concurrent clients) and ``other`` deployments (``mode_note``: prefill- or
+  decode-only pools, production averages) are not modelled and are reported as such.
 
 Errors are ``predicted / published - 1`` of the published metric (throughput: positive means
 optimistic; latencies: negative means optimistic).
@@ -25,58 +28,47 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from stage_dse.config import load_cluster, load_hardware, load_model
-from stage_dse.config.presets import list_presets
+from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
-from stage_dse.spec import ModelSpec
 from stage_dse.spec.serving import ServingSpec
 from stage_dse.validation.corpus import Case, CorpusError
+from stage_dse.validation.resolve import (
+    Unexpressible,
+    case_model,
+    check_expressible,
+    result_base,
+)
 
 __all__ = ["Prepared", "evaluate_serving", "prepare"]
 
 LATENCY_KINDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_s")
 
 
-class Unexpressible(Exception):
-    pass
-
-
-def _model(case: Case) -> ModelSpec:
-    spec = case.fields["model"]
-    if isinstance(spec, str):
-        if spec not in list_presets("model"):
-            raise Unexpressible(f"no model preset {spec!r}")
-        return load_model(spec)
-    try:
-        return ModelSpec(**spec)
-    except TypeError as exc:
-        raise CorpusError(f"{case.source.file}: run {case.id}: model: {exc}") from None
-
-
 def _row(case: Case):
     from stage_dse.runner.serving import serving_row
 
     f = case.fields
-    if f["hardware"] not in list_presets("hardware"):
-        raise Unexpressible(f"no hardware preset {f['hardware']!r}")
-    if f["cluster"] not in list_presets("cluster"):
-        raise Unexpressible(f"no cluster preset {f['cluster']!r}")
+    check_expressible(case)
     for key in ("weights", "kv"):
         if f.get(key, "bf16") not in ("bf16", "fp16", "fp8"):
             raise Unexpressible(f"{key} dtype {f[key]!r} (bf16, fp16 or fp8)")
     if f["mode"] == "closed_loop":
         raise Unexpressible("closed-loop load (N concurrent clients) is not modelled")
+    if f["mode"] == "other":
+        raise Unexpressible(f"deployment not modelled: {f['mode_note']}")
+    if f["mode"] == "burst" and case.target_kind in ("ttft_ms", "e2e_latency_s"):
+        raise Unexpressible("queueing of a burst of requests sent at once (TTFT) is not modelled")
     if case.target.get("statistic") in ("p90", "p95", "p99"):
         raise Unexpressible(f"{case.target['statistic']} latency (the model gives means)")
-    model = _model(case)
+    model = case_model(case)
     hw = load_hardware(f["hardware"])
     tp, pp, ep = f["tp"], f.get("pp", 1), f.get("ep", 1)
     if f["n_gpus"] % (tp * pp * ep):
         raise Unexpressible(f"n_gpus({f['n_gpus']}) is not a multiple of tp*pp*ep({tp * pp * ep})")
     cluster = load_cluster(f["cluster"], num_gpus=max(f["n_gpus"], tp * pp * ep))
-    continuous = f["mode"] in ("inflight_max", "online_rate")
+    continuous = f["mode"] in ("inflight_max", "online_rate", "burst")
     if continuous:
         for key in ("max_batch", "max_num_tokens"):
             if key not in f:
@@ -84,7 +76,9 @@ def _row(case: Case):
                     f"{case.source.file}: run {case.id}: mode={f['mode']} needs {key} (the "
                     "engine's limit, stated or its documented default listed in unstated)"
                 )
-    batch = f["batch"] if f["mode"] == "static" else 1
+    # continuous modes: one running request per attention rank binds the symbols (the engine's
+    # running batch is the steady state's)
+    batch = f["batch"] if f["mode"] == "static" else ep
     if batch % ep:
         raise Unexpressible(f"batch({batch}) does not split over ep({ep}) attention ranks")
     serving = ServingSpec(
@@ -150,22 +144,15 @@ def evaluate_serving(
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
-                np.array([x["max_batch"] for x in f], dtype=float),
+                # the engine's limit over the replica, per attention rank (ep of them)
+                np.array([x["max_batch"] / x.get("ep", 1) for x in f], dtype=float),
                 np.array([x["max_num_tokens"] for x in f], dtype=float),
                 np.array(rate, dtype=float),
             )
             cb.index = cont
     results = []
     for case in cases:
-        rec = {
-            "case": case.id,
-            "corpus": "serving",
-            "source": case.source.id,
-            "group": case.group,
-            "kind": case.target_kind,
-            "published": case.value,
-            "timing": "roofline",
-        }
+        rec = result_base(case, "roofline")
         if case.id in out:
             results.append({**rec, **out[case.id]})
             continue
@@ -196,7 +183,10 @@ def evaluate_serving(
         metric = {
             "out_tok_s_gpu": out_tok_gpu,
             "out_tok_s": out_tok_gpu * f["n_gpus"],
+            "out_tok_s_user": 1.0 / tpot,
+            "total_tok_s": out_tok_gpu * f["n_gpus"] * (f["isl"] + f["osl"]) / f["osl"],
             "total_tok_s_gpu": out_tok_gpu * (f["isl"] + f["osl"]) / f["osl"],
+            "prefill_tok_s_gpu": out_tok_gpu * f["isl"] / f["osl"],
             "ttft_ms": ttft * 1e3,
             "tpot_ms": tpot * 1e3,
             "itl_ms": tpot * 1e3,

@@ -30,13 +30,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from stage_dse.config import load_cluster, load_framework, load_hardware, load_model
-from stage_dse.config.presets import list_presets
+from stage_dse.config import load_cluster, load_framework, load_hardware
 from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
+from stage_dse.validation.resolve import (
+    Unexpressible,
+    case_model,
+    check_expressible,
+    result_base,
+)
 
 __all__ = ["DEFAULT_CANDIDATES", "TrainingSetup", "evaluate_training", "training_setup"]
 
@@ -63,10 +68,6 @@ ZERO_NAMES = {
 gathered parameters for the step: stage 2's memory and one gather per step)."""
 
 
-class Unexpressible(Exception):
-    """The model cannot express a case (the message names the missing feature)."""
-
-
 @dataclass
 class TrainingSetup:
     """A case resolved into specs and the candidate plans the source allows."""
@@ -80,33 +81,18 @@ class TrainingSetup:
     """The first rule that refused a candidate (when none is valid: why)."""
 
 
-def _model(case: Case) -> ModelSpec:
-    spec = case.fields["model"]
-    if isinstance(spec, str):
-        if spec not in list_presets("model"):
-            raise Unexpressible(f"no model preset {spec!r} (give the dimensions in the record)")
-        return load_model(spec)
-    try:
-        return ModelSpec(**spec)
-    except TypeError as exc:
-        raise CorpusError(f"{case.source.file}: run {case.id}: model: {exc}") from None
-
-
 def training_setup(case: Case) -> TrainingSetup:
     """Specs and candidate plans of a training case (``Unexpressible`` when the model has no
     way to state it; ``CorpusError`` when the record itself is wrong)."""
     f = case.fields
     label = f"{case.source.file}: run {case.id}"
+    check_expressible(case)
     hw_name, cl_name = f["hardware"], f["cluster"]
-    if hw_name not in list_presets("hardware"):
-        raise Unexpressible(f"no hardware preset {hw_name!r}")
-    if cl_name not in list_presets("cluster"):
-        raise Unexpressible(f"no cluster preset {cl_name!r}")
     try:
         framework = load_framework(f["framework"])
     except ConfigError as exc:
         raise CorpusError(f"{label}: framework: {exc}") from None
-    model = _model(case)
+    model = case_model(case)
     try:
         hardware = load_hardware(hw_name, **f.get("hardware_overrides", {}))
         overrides = {**f.get("cluster_overrides", {}), "num_gpus": max(f["gpus"], 1)}
@@ -288,15 +274,7 @@ def evaluate_training(
     picked = choose(table, costs, cases) if len(table) else pd.DataFrame(columns=["row", "oom"])
     out = []
     for case in cases:
-        rec = {
-            "case": case.id,
-            "corpus": "training",
-            "source": case.source.id,
-            "group": case.group,
-            "kind": case.target_kind,
-            "published": case.value,
-            "timing": timing,
-        }
+        rec = result_base(case, timing)
         i = info[case.id]
         if "unexpressible" in i:
             out.append({**rec, "status": "unexpressible", "reason": i["unexpressible"]})
