@@ -10,7 +10,8 @@ from conftest import gpt
 
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import bind, bind_hardware, evaluate_plan
-from stage_dse.cost.derive import cost_key, is_linear
+from stage_dse.cost.derive import cost_key
+from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import _fp8_quantized_numel, section_time
 from stage_dse.errors import ConfigError
 from stage_dse.graph import OpKind, build_graphs
@@ -57,7 +58,10 @@ def test_fp8_halves_the_time_of_compute_bound_linear_gemms_only():
     st = section_time(build_graphs(model, plan, training("fp8")).block, key)
     cl = load_cluster("dgx_h100", num_gpus=1)
 
-    hw = dataclasses.replace(H100, peak_fp8_flops=2 * H100.peak_flops)
+    # exactly twice the peak at the same efficiency (the presets' FP8 efficiency is lower)
+    hw = dataclasses.replace(
+        H100, peak_fp8_flops=2 * H100.peak_flops, fp8_gemm_efficiency=H100.gemm_efficiency
+    )
 
     def num(expr, gemm):
         values = {**bind(model, training(gemm), plan), **bind_hardware(hw, cl)}

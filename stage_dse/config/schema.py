@@ -72,14 +72,19 @@ class HardwareConf:
     peak_bf16_tflops: float = MISSING
     peak_fp8_tflops: float = 0.0
     """Dense FP8 tensor-core peak (0: none)."""
+    sustained_clock: float = 1.0
+    """Sustained tensor-core clock under the power limit, fraction of the datasheet's."""
     hbm_gib: float = MISSING
     hbm_tb_s: float = MISSING
     memory_reserve_gib: float = 2.0
     gemm_efficiency: float = 0.75
+    fp8_gemm_efficiency: float = 0.0
+    """Large FP8 GEMMs' fraction of the FP8 peak (0: 0.8 x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_us: float = 0.0
+    overlap_slowdown: float = 0.0
     gemm_floor_us: float = 0.0
     attention_floor_us: float = 0.0
     elementwise_floor_us: float = 0.0

@@ -6,9 +6,9 @@ from stage_dse.cost.derive import (
     cost_key,
     derive,
     group_label,
-    kept_activations,
     training_costs,
 )
+from stage_dse.cost.recompute import kept_activations
 
 __all__ = [
     "CostKey",

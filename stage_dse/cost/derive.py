@@ -35,8 +35,14 @@ from functools import lru_cache
 import sympy as sp
 
 from stage_dse.cost.expr import _max, _min, _sum
+from stage_dse.cost.recompute import (
+    _is_block,
+    kept_activations,
+    kept_bytes,
+    recomputed_ops,
+)
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Region, Role, Scope, Tensor
+from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase, Tensor
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
 from stage_dse.spec import (
@@ -99,108 +105,6 @@ def _is_one(x: sp.Expr) -> sp.Expr:
 
 
 # --------------------------------------------------------------------------- per section
-def kept_activations(graph: Graph, recompute: Recompute) -> list[Tensor]:
-    """Activation tensors kept from forward to backward in one section, de-duplicated."""
-    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
-    if recompute is Recompute.FULL and graph.block_input is not None and _is_block(graph):
-        return [graph.block_input]
-    saved_by_region: dict[Tensor, None] = {}
-    saved_elsewhere: set[Tensor] = set()
-    for op in forward:
-        for t in op.saved:
-            src = graph.gathered_source(t)
-            if src.role is not Role.ACTIVATION:
-                continue
-            if op.region is Region.ATTENTION_CORE:
-                saved_by_region.setdefault(src, None)
-            else:
-                saved_elsewhere.add(src)
-    kept: dict[Tensor, None] = dict.fromkeys(saved_by_region)
-    kept.update(dict.fromkeys(t for t in _ordered_saved(graph) if t in saved_elsewhere))
-    if recompute is Recompute.SELECTIVE and _is_block(graph):
-        dropped = set(_region_dropped(graph, saved_by_region, saved_elsewhere))
-        return [t for t in kept if t not in dropped]
-    return list(kept)
-
-
-def is_linear(op: Op) -> bool:
-    """A linear layer's GEMM: forward (a weight operand), input gradient (a weight operand) or
-    weight gradient (a weight-gradient output). These run in FP8 when ``gemm_bytes`` is 1."""
-    return op.kind is OpKind.EINSUM and (
-        any(t.role is Role.WEIGHT for t in op.inputs)
-        or any(t.role is Role.GRAD for t in op.outputs)
-    )
-
-
-def gemm_cached(graph: Graph) -> set[Tensor]:
-    """Activations kept for backward only by linear GEMMs: they are kept as the GEMMs' inputs,
-    in the GEMM input precision (``gemm_bytes``: one byte under FP8)."""
-    linear: set[Tensor] = set()
-    other: set[Tensor] = set()
-    for op in graph.ops:
-        if op.phase is Phase.FORWARD:
-            for t in op.saved:
-                (linear if is_linear(op) else other).add(graph.gathered_source(t))
-    return linear - other
-
-
-def kept_bytes(graph: Graph, tensors: Iterable[Tensor]) -> sp.Expr:
-    """Bytes of kept activations (those only linear GEMMs keep at ``gemm_bytes`` each)."""
-    gemm_only = gemm_cached(graph)
-    return _sum(
-        [t.local_numel * S.gemm_bytes if t in gemm_only else t.local_bytes for t in tensors]
-    )
-
-
-def _ordered_saved(graph: Graph) -> list[Tensor]:
-    out: dict[Tensor, None] = {}
-    for op in graph.ops:
-        if op.phase is Phase.FORWARD:
-            for t in op.saved:
-                out.setdefault(graph.gathered_source(t), None)
-    return list(out)
-
-
-def _is_block(graph: Graph) -> bool:
-    return any(op.scope is Scope.BLOCK for op in graph.ops)
-
-
-def _region_dropped(
-    graph: Graph, saved_by_region: dict[Tensor, None], saved_elsewhere: set[Tensor]
-) -> list[Tensor]:
-    """Tensors that exist only inside the attention core: made there, used only there."""
-    out = []
-    for t in saved_by_region:
-        if t in saved_elsewhere:
-            continue
-        prod = graph.producer.get(t)
-        if prod is not None and prod.region is not Region.ATTENTION_CORE:
-            continue
-        out.append(t)
-    return out
-
-
-def _recomputed_ops(graph: Graph, recompute: Recompute) -> list[Op]:
-    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
-    if not _is_block(graph) or recompute is Recompute.NONE:
-        return []
-    if recompute is Recompute.FULL:
-        return forward
-    kept = set(kept_activations(graph, Recompute.NONE))
-    dropped = kept - set(kept_activations(graph, Recompute.SELECTIVE))
-    # rerun every core op on the path to a dropped tensor (scores feed the softmax, ...)
-    needed = set(dropped)
-    rerun = []
-    for op in reversed(forward):
-        if op.region is not Region.ATTENTION_CORE:
-            continue
-        made = set(op.outputs) | {t for t in op.saved if graph.producer.get(t) is None}
-        if made & needed:
-            rerun.append(op)
-            needed.update(op.inputs)
-    return rerun[::-1]
-
-
 @dataclass(frozen=True)
 class SectionCosts:
     """Costs of one section (embed, one block, or head) per micro-batch, per GPU unless global."""
@@ -263,7 +167,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     mm: dict[Recompute, sp.Expr] = {}
     local: dict[Recompute, sp.Expr] = {}
     for mode in Recompute:
-        rerun = _recomputed_ops(graph, mode)
+        rerun = recomputed_ops(graph, mode)
         mm[mode] = base_mm + _sum([op.global_flops for op in rerun if op.matmul])
         hw[mode] = base_global + _sum([op.global_flops for op in rerun])
         local[mode] = base_local + _sum([op.flops for op in rerun])
@@ -274,7 +178,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
         lambda: sp.Integer(0)
     )
     for mode in Recompute:
-        rerun_comm = [op for op in _recomputed_ops(graph, mode) if op.is_comm]
+        rerun_comm = [op for op in recomputed_ops(graph, mode) if op.is_comm]
         for op in [o for o in graph.ops if o.is_comm] + rerun_comm:
             key = (op.coll, op.group)
             size = _active(op.group) * op.comm_bytes

@@ -108,7 +108,7 @@ def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
             mem.append(op.bytes / (S.hbm_bandwidth * S.memory_efficiency))
             eff = S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency
             if op.matmul:
-                flops.append(op.flops / (S.peak_flops * eff))
+                flops.append(op.flops / (S.peak_flops * S.sustained_clock * eff))
     weights = _sum(w.local_numel * w.dtype_bytes for w in graph.weights)
     caches = {t for op in ops for t in op.inputs if t.role is Role.KV_CACHE}
     kv_global = _sum(t.numel * t.dtype_bytes for t in caches)

@@ -6,7 +6,9 @@ expressions in seconds. What does not: numbers (see :mod:`stage_dse.cost.compile
 
 Model, in order of the terms of ``time_step_s``:
 
-* **Compute.** Each op takes ``max(flops / (peak * eff), bytes / (hbm_bw * mem_eff), floor)``
+* **Compute.** Each op takes ``max(flops / (peak * clock * eff), bytes / (hbm_bw * mem_eff),
+  floor)`` (``clock``: the sustained clock under the part's power limit, a fraction of the
+  clock its datasheet peaks assume)
   plus a launch cost, where ``floor`` is the shortest measured kernel of its class (GEMM,
   attention, streaming; hardware presets cite the tables). GEMM efficiency is
   ``gemm_efficiency * d / (d + gemm_half_dim)`` with ``d`` the smallest of the GEMM's M, N, K
@@ -64,6 +66,10 @@ Model, in order of the terms of ``time_step_s``:
 * **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
   backward with ``overlap_grad_reduce`` (the last bucket, one layer's worth, stays exposed);
   ZeRO-1/2's parameter all-gather hides behind the next forward with ``overlap_param_gather``.
+* **Overlap slowdown**: wherever a collective runs beside compute (each case above), the
+  compute runs slower while both run: the part of the collective that outlasts the compute is
+  exposed, plus ``overlap_slowdown`` x the overlapped time (NCCL's kernels occupy SMs and HBM
+  bandwidth; a hardware property, 0: perfect overlap).
 * **Optimizer** step streams master weights, states and gradients through HBM.
 """
 
@@ -75,13 +81,7 @@ from functools import lru_cache
 
 import sympy as sp
 
-from stage_dse.cost.derive import (
-    EMBEDDING_GROUP,
-    CostKey,
-    _recomputed_ops,
-    derive,
-    is_linear,
-)
+from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, derive
 from stage_dse.cost.expr import _max, _min, _sum, first_max_weights
 from stage_dse.cost.network import (
     collective_time,
@@ -90,6 +90,7 @@ from stage_dse.cost.network import (
     group_tiers,
     pipeline_hop_time,
 )
+from stage_dse.cost.recompute import is_linear, recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
@@ -158,17 +159,20 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     d = _gemm_min_dim(op)
-    eff = S.gemm_efficiency * d / (d + S.gemm_half_dim)
+    shape = d / (d + S.gemm_half_dim)
+    eff = S.gemm_efficiency * shape
     peak = S.peak_flops
     quantize = sp.Integer(0)
     if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
         fp8 = 2 - S.gemm_bytes
         peak = S.peak_flops + fp8 * (S.peak_fp8_flops - S.peak_flops)
+        eff = (S.gemm_efficiency + fp8 * (S.fp8_gemm_efficiency - S.gemm_efficiency)) * shape
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write 8-bit
             kernel = _max(3 * numel / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
             quantize = fp8 * kernel
-    gemm = _max(op.flops / (peak * eff), stream, S.gemm_floor_s) + S.kernel_launch_s
+    gemm = _max(op.flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
+    gemm = gemm + S.kernel_launch_s
     return gemm, quantize
 
 
@@ -179,7 +183,8 @@ def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
         eff = S.attention_efficiency
         executed = op.flops * op.executed_fraction
         return (
-            _max(executed / (S.peak_flops * eff), stream, S.attention_floor_s) + S.kernel_launch_s
+            _max(executed / (S.peak_flops * S.sustained_clock * eff), stream, S.attention_floor_s)
+            + S.kernel_launch_s
         )
     if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
         if saved_bytes != 0:  # fused into its consumer
@@ -277,6 +282,14 @@ class KernelSet:
         return sym
 
 
+def _hidden(comm: sp.Expr, cover: sp.Expr) -> sp.Expr:
+    """What a collective of ``comm`` seconds run under ``cover`` seconds of compute adds to the
+    critical path: the part that outlasts the compute, plus the compute's slowdown while both
+    run (``overlap_slowdown`` of the overlapped time: the collective's kernels take SMs and HBM
+    bandwidth from the compute beside them)."""
+    return _max(0, comm - cover) + S.overlap_slowdown * _min(comm, cover)
+
+
 def _local(t, i: int) -> sp.Expr:
     return t.axes[i].extent / sp.Mul(*[DEGREE[m] for m in t.layout[i]])
 
@@ -316,7 +329,7 @@ def _coll_time(coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet |
 
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
     order = key.rank_order
-    rerun = _recomputed_ops(graph, key.recompute)
+    rerun = recomputed_ops(graph, key.recompute)
     savings = _fusion_savings(graph)
     partners = async_partners(graph)
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
@@ -348,7 +361,7 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             exposed = t
             partner = partners.get(op) if key.tp_dgrad_overlap and not is_rerun else None
             if partner is not None:
-                exposed = _max(0, t - _op_time(partner, savings.get(partner, 0), kernels))
+                exposed = _hidden(t, _op_time(partner, savings.get(partner, 0), kernels))
             if name == "tp_comm":
                 acc["tp_comm_exposed"].append(exposed)
             phase = "fwd_comm" if op.phase is Phase.FORWARD and not is_rerun else "bwd_comm"
@@ -448,16 +461,16 @@ def _derive_time(key: CostKey, measured: bool):
         compute = fwd + bwd
         tp = tot("tp_comm_exposed")
         if key.tp_comm_overlap:  # every collective split and pipelined with a GEMM
-            tp = _min(tp, _max(0, tot("tp_comm") - tot("gemm")))
+            tp = _min(tp, _hidden(tot("tp_comm"), tot("gemm")))
         ep = tot("ep_comm")
         if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
-            ep = _max(0, ep - compute)
+            ep = _hidden(ep, compute)
         # ZeRO-2/3: each layer's collectives overlap only the neighbouring layer's compute
         # (prefetch depth one), so what exceeds it is exposed layer by layer; the first layer's
         # gather and the last reduce-scatter of a micro-batch have nothing to hide behind
         zero = _sum(
             [
-                k * (_max(0, sec.zero_fwd_comm - sec.fwd) + _max(0, sec.zero_bwd_comm - sec.bwd))
+                k * (_hidden(sec.zero_fwd_comm, sec.fwd) + _hidden(sec.zero_bwd_comm, sec.bwd))
                 for sec, k in parts
             ]
         ) + (blk.zero_fwd_comm + blk.zero_bwd_comm)
@@ -467,7 +480,7 @@ def _derive_time(key: CostKey, measured: bool):
             "bwd": bwd,
             "tp": define(f"{label}_tp", tp),
             "ep": define(f"{label}_ep", ep),
-            "cp": define(f"{label}_cp", _max(0, tot("cp_comm") - tot("attention"))),
+            "cp": define(f"{label}_cp", _hidden(tot("cp_comm"), tot("attention"))),
             "zero": define(f"{label}_zero", zero),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
             "param_gather": define(f"{label}_param_gather", tot("param_gather_step")),
@@ -511,9 +524,11 @@ def _derive_time(key: CostKey, measured: bool):
     for st, layers, on in stages.values():
         g, p = st["grad_sync"], st["param_gather"]
         if key.overlap_grad_reduce:
-            g = _max(g - st["bwd"], g / _max(1, layers))
+            last = g / _max(1, layers)  # the last bucket has nothing to hide behind
+            g = last + _hidden(g - last, st["bwd"])
         if key.overlap_param_gather:
-            p = _max(p - st["fwd"], p / _max(1, layers))
+            first = p / _max(1, layers)
+            p = first + _hidden(p - first, st["fwd"])
         grad_syncs.append(on * g)
         param_gathers.append(on * p)
     grad_sync, param_gather = _max(*grad_syncs), _max(*param_gathers)

@@ -85,12 +85,15 @@ class Symbols:
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
+    sustained_clock = _real("sustained_clock")
     hbm_bandwidth = _real("hbm_bandwidth")
     gemm_efficiency = _real("gemm_efficiency")
+    fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
+    overlap_slowdown = sp.Symbol("overlap_slowdown", nonnegative=True)
     gemm_floor_s = sp.Symbol("gemm_floor_s", nonnegative=True)
     attention_floor_s = sp.Symbol("attention_floor_s", nonnegative=True)
     elementwise_floor_s = sp.Symbol("elementwise_floor_s", nonnegative=True)
@@ -124,12 +127,15 @@ S = Symbols
 HARDWARE_SYMBOLS = (
     "peak_flops",
     "peak_fp8_flops",
+    "sustained_clock",
     "hbm_bandwidth",
     "gemm_efficiency",
+    "fp8_gemm_efficiency",
     "gemm_half_dim",
     "attention_efficiency",
     "memory_efficiency",
     "kernel_launch_s",
+    "overlap_slowdown",
     "gemm_floor_s",
     "attention_floor_s",
     "elementwise_floor_s",

@@ -8,6 +8,11 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
 
 * ``gemm_efficiency``: large bf16 GEMMs (cuBLAS) reach this fraction of peak; a GEMM whose
   smallest dimension is ``gemm_half_dim`` runs at half of that (tile and wave quantization).
+* ``fp8_gemm_efficiency``: the same for FP8 GEMMs against the FP8 peak. FP8 kernels reach a
+  smaller share of their doubled peak: in NVIDIA AIConfigurator's measured tables
+  (aiconfigurator-core 0.12.0, GEMMs with m, n, k >= 4096) the median FP8 efficiency is 0.79
+  (H100), 0.80 (H200) and 0.81 (B200) of the bf16 one; a preset that gives none takes
+  ``FP8_GEMM_RATIO`` x ``gemm_efficiency``.
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
@@ -30,7 +35,10 @@ from stage_dse.spec._validate import (
     positive_number,
 )
 
-__all__ = ["ClusterSpec", "HardwareSpec"]
+__all__ = ["FP8_GEMM_RATIO", "ClusterSpec", "HardwareSpec"]
+
+FP8_GEMM_RATIO = 0.8
+"""FP8 over bf16 GEMM efficiency where a preset does not give its own (see the module doc)."""
 
 
 def _fraction(owner: str, field: str, value: object) -> None:
@@ -48,18 +56,26 @@ class HardwareSpec:
     """Dense 16-bit (bf16/fp16) tensor-core peak, flop/s."""
     peak_fp8_flops: float = 0.0
     """Dense FP8 tensor-core peak, flop/s (0: no FP8 tensor cores)."""
+    sustained_clock: float = 1.0
+    """Clock the tensor cores sustain under the part's power limit, as a fraction of the clock
+    the datasheet peaks assume (1: no throttling). MFU stays against the datasheet peak."""
     hbm_bytes: float
     """Device memory capacity, bytes."""
     hbm_bandwidth_bytes_per_s: float
     memory_reserve_bytes: float = 0.0
     """Capacity not usable by the framework (CUDA context, allocator fragmentation), bytes."""
     gemm_efficiency: float = 0.8
+    fp8_gemm_efficiency: float = 0.0
+    """Large FP8 GEMMs' fraction of the FP8 peak (0: ``FP8_GEMM_RATIO`` x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     """Smallest GEMM dimension at which GEMM efficiency halves."""
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
     """Fixed cost added per kernel, seconds (launch gaps; 0 under CUDA graphs)."""
+    overlap_slowdown: float = 0.0
+    """Compute time lost per second of communication running beside it (the collective's
+    kernels take SMs and HBM bandwidth); 0: communication overlaps for free."""
     gemm_floor_s: float = 0.0
     """Shortest time of any GEMM kernel, seconds (a tiny GEMM still takes this long)."""
     attention_floor_s: float = 0.0
@@ -74,17 +90,30 @@ class HardwareSpec:
         owner = "hardware"
         for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "gemm_half_dim"):
             positive_number(owner, f, getattr(self, f))
-        for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+        for f in (
+            "gemm_efficiency",
+            "attention_efficiency",
+            "memory_efficiency",
+            "sustained_clock",
+        ):
             _fraction(owner, f, getattr(self, f))
+        if not self.fp8_gemm_efficiency:
+            object.__setattr__(
+                self, "fp8_gemm_efficiency", round(FP8_GEMM_RATIO * self.gemm_efficiency, 4)
+            )
+        _fraction(owner, "fp8_gemm_efficiency", self.fp8_gemm_efficiency)
         for f in (
             "memory_reserve_bytes",
             "kernel_launch_s",
+            "overlap_slowdown",
             "peak_fp8_flops",
             "gemm_floor_s",
             "attention_floor_s",
             "elementwise_floor_s",
         ):
             non_negative_number(owner, f, getattr(self, f))
+        if self.overlap_slowdown >= 1:
+            raise ConfigError(f"hardware.overlap_slowdown must be < 1, got {self.overlap_slowdown}")
         if self.memory_reserve_bytes >= self.hbm_bytes:
             raise ConfigError(
                 f"hardware.memory_reserve_bytes({self.memory_reserve_bytes:.3g}) >= "

@@ -49,6 +49,12 @@ class Recompute(StrEnum):
     """Recompute the attention core (QK^T, softmax, dropout): drops the a*s^2 activations."""
     FULL = "full"
     """Keep only each layer's input; rerun the layer's forward during backward."""
+    OP = "op"
+    """PyTorch per-op selective checkpointing as torchtitan applies it (``selective_ac_option =
+    "op"``, ``torchtitan/parallelisms/parallelize_llama.py``): keep the outputs of fused
+    attention, of reduce-scatters and of every other matmul (the 1st, 3rd, ... of a layer's
+    forward); rerun everything else (the other matmuls, norms, rotary, activations) in
+    backward."""
 
 
 class AttentionKernel(StrEnum):

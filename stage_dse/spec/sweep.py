@@ -59,7 +59,7 @@ class SearchSpace:
     expert_tensor_parallel: Sequence[bool] = (False,)
     micro_batch_size: Sequence[int] = (1, 2, 4, 8)
     zero_stage: Sequence[int] = (0, 1, 2, 3)
-    recompute: Sequence[str] = ("none", "selective", "full")
+    recompute: Sequence[str] = ("none", "selective", "full")  # also "op"
     sequence_parallel: Sequence[bool] = (False, True)
     attention: Sequence[str] = ("flash",)
     virtual_stages: Sequence[int] = (1,)
@@ -93,7 +93,7 @@ class SearchSpace:
                 raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")
         for r in self.recompute:
             if r not in {m.value for m in Recompute}:
-                raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full")
+                raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full, op")
         for a in self.attention:
             if a not in {m.value for m in AttentionKernel}:
                 raise ConfigError(f"plan.attention={a!r} is not one of: materialized, flash")

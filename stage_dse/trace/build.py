@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from stage_dse.cost.derive import _recomputed_ops, cost_key, embedding_sync_bytes
+from stage_dse.cost.derive import cost_key, embedding_sync_bytes
+from stage_dse.cost.recompute import recomputed_ops
 from stage_dse.cost.time import collective_time, embedding_sync_time, pipeline_hop_time
 from stage_dse.errors import ConfigError
 from stage_dse.graph.backward import async_partners
@@ -100,7 +101,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
     partners = {g: async_partners(g) if plan.tp_dgrad_overlap else {} for g in graphs.sections}
-    rerun = {g: _recomputed_ops(g, key.recompute) for g in graphs.sections}
+    rerun = {g: recomputed_ops(g, key.recompute) for g in graphs.sections}
     # data-parallel collectives move one flat buffer per layer and kind, as the cost model
     # times them (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets)
     step_sync = {

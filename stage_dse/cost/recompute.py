@@ -1,0 +1,146 @@
+"""Which activations a layer keeps for backward and which forward ops rerun, per recompute mode.
+
+What lives here: the recompute rules over one section's graph (none, Korthikanti et al.'s
+selective and full recompute, PyTorch's per-op selective checkpointing), and which kept tensors
+linear GEMMs cache in their input precision. :mod:`stage_dse.cost.derive` sums their bytes and
+flops; :mod:`stage_dse.cost.time` and the trace builder rerun the same ops. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import sympy as sp
+
+from stage_dse.cost.expr import _sum
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import CollKind, Op, OpKind, Phase, Region, Role, Scope, Tensor
+from stage_dse.graph.symbols import S
+from stage_dse.spec import Recompute
+
+__all__ = ["gemm_cached", "is_linear", "kept_activations", "kept_bytes", "recomputed_ops"]
+
+
+def kept_activations(graph: Graph, recompute: Recompute) -> list[Tensor]:
+    """Activation tensors kept from forward to backward in one section, de-duplicated."""
+    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    if recompute is Recompute.FULL and graph.block_input is not None and _is_block(graph):
+        return [graph.block_input]
+    if recompute is Recompute.OP and graph.block_input is not None and _is_block(graph):
+        saved = [t for op in _op_checkpointed(graph) for t in op.outputs]
+        return list(dict.fromkeys([graph.block_input, *saved]))
+    saved_by_region: dict[Tensor, None] = {}
+    saved_elsewhere: set[Tensor] = set()
+    for op in forward:
+        for t in op.saved:
+            src = graph.gathered_source(t)
+            if src.role is not Role.ACTIVATION:
+                continue
+            if op.region is Region.ATTENTION_CORE:
+                saved_by_region.setdefault(src, None)
+            else:
+                saved_elsewhere.add(src)
+    kept: dict[Tensor, None] = dict.fromkeys(saved_by_region)
+    kept.update(dict.fromkeys(t for t in _ordered_saved(graph) if t in saved_elsewhere))
+    if recompute is Recompute.SELECTIVE and _is_block(graph):
+        dropped = set(_region_dropped(graph, saved_by_region, saved_elsewhere))
+        return [t for t in kept if t not in dropped]
+    return list(kept)
+
+
+def is_linear(op: Op) -> bool:
+    """A linear layer's GEMM: forward (a weight operand), input gradient (a weight operand) or
+    weight gradient (a weight-gradient output). These run in FP8 when ``gemm_bytes`` is 1."""
+    return op.kind is OpKind.EINSUM and (
+        any(t.role is Role.WEIGHT for t in op.inputs)
+        or any(t.role is Role.GRAD for t in op.outputs)
+    )
+
+
+def gemm_cached(graph: Graph) -> set[Tensor]:
+    """Activations kept for backward only by linear GEMMs: they are kept as the GEMMs' inputs,
+    in the GEMM input precision (``gemm_bytes``: one byte under FP8)."""
+    linear: set[Tensor] = set()
+    other: set[Tensor] = set()
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD:
+            for t in op.saved:
+                (linear if is_linear(op) else other).add(graph.gathered_source(t))
+    return linear - other
+
+
+def kept_bytes(graph: Graph, tensors: Iterable[Tensor]) -> sp.Expr:
+    """Bytes of kept activations (those only linear GEMMs keep at ``gemm_bytes`` each)."""
+    gemm_only = gemm_cached(graph)
+    return _sum(
+        [t.local_numel * S.gemm_bytes if t in gemm_only else t.local_bytes for t in tensors]
+    )
+
+
+def _ordered_saved(graph: Graph) -> list[Tensor]:
+    out: dict[Tensor, None] = {}
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD:
+            for t in op.saved:
+                out.setdefault(graph.gathered_source(t), None)
+    return list(out)
+
+
+def _is_block(graph: Graph) -> bool:
+    return any(op.scope is Scope.BLOCK for op in graph.ops)
+
+
+def _region_dropped(
+    graph: Graph, saved_by_region: dict[Tensor, None], saved_elsewhere: set[Tensor]
+) -> list[Tensor]:
+    """Tensors that exist only inside the attention core: made there, used only there."""
+    out = []
+    for t in saved_by_region:
+        if t in saved_elsewhere:
+            continue
+        prod = graph.producer.get(t)
+        if prod is not None and prod.region is not Region.ATTENTION_CORE:
+            continue
+        out.append(t)
+    return out
+
+
+def _op_checkpointed(graph: Graph) -> list[Op]:
+    """Forward ops whose outputs per-op selective checkpointing keeps (:attr:`Recompute.OP`):
+    fused attention, reduce-scatters and every other linear matmul, counted in forward order
+    from the first (torchtitan saves the output unless the matmul count is even)."""
+    kept, linear = [], 0
+    for op in graph.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        if op.kind is OpKind.ATTENTION or (op.is_comm and op.coll is CollKind.REDUCE_SCATTER):
+            kept.append(op)
+        elif op.kind is OpKind.EINSUM and is_linear(op):
+            linear += 1
+            if linear % 2:
+                kept.append(op)
+    return kept
+
+
+def recomputed_ops(graph: Graph, recompute: Recompute) -> list[Op]:
+    forward = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    if not _is_block(graph) or recompute is Recompute.NONE:
+        return []
+    if recompute is Recompute.FULL:
+        return forward
+    if recompute is Recompute.OP:  # everything but what is kept (views cost nothing)
+        keep = set(_op_checkpointed(graph))
+        return [op for op in forward if op not in keep and op.kind is not OpKind.VIEW]
+    kept = set(kept_activations(graph, Recompute.NONE))
+    dropped = kept - set(kept_activations(graph, Recompute.SELECTIVE))
+    # rerun every core op on the path to a dropped tensor (scores feed the softmax, ...)
+    needed = set(dropped)
+    rerun = []
+    for op in reversed(forward):
+        if op.region is not Region.ATTENTION_CORE:
+            continue
+        made = set(op.outputs) | {t for t in op.saved if graph.producer.get(t) is None}
+        if made & needed:
+            rerun.append(op)
+            needed.update(op.inputs)
+    return rerun[::-1]
