@@ -152,7 +152,7 @@ def test_speculative_decoding_pays_for_itself_only_when_drafts_are_accepted():
     accepted = continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=0.8).iloc[0]
     assert rejected["cb_tpot_s"] > plain["cb_tpot_s"]  # verification and drafting, no gain
     # 1.8 tokens per step for a step that costs far less than twice as much (memory bound)
-    assert accepted["cb_tpot_s"] < 0.75 * plain["cb_tpot_s"]
+    assert accepted["cb_tpot_s"] < 0.8 * plain["cb_tpot_s"]
     assert accepted["cb_tokens_per_s_per_gpu"] > plain["cb_tokens_per_s_per_gpu"]
     with pytest.raises(ConfigError, match=r"serving\.acceptance must be in \[0, 1\)"):
         continuous_batching(table, keys, 32, 2048, draft_tokens=1, acceptance=1.0)

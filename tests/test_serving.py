@@ -123,7 +123,8 @@ def test_fp8_weights_run_fp8_gemms_where_the_hardware_has_them():
         for hw in (H100, a100)
         for w in ("bf16", "fp8")
     }  # fmt: skip
-    assert ttft[("h100_sxm", "fp8")] < 0.6 * ttft[("h100_sxm", "bf16")]
+    # FP8 GEMMs at 0.59 of twice the peak against 0.65 for bf16; attention stays bf16
+    assert ttft[("h100_sxm", "fp8")] < 0.7 * ttft[("h100_sxm", "bf16")]
     assert 0.9 * ttft[("a100_80gb", "bf16")] < ttft[("a100_80gb", "fp8")]
     assert ServingSpec(prompt_len=8, weights_dtype="fp8").step_like(a100).gemm_dtype == "bf16"
     assert ServingSpec(prompt_len=8, weights_dtype="fp8").step_like(H100).gemm_dtype == "fp8"

@@ -198,6 +198,9 @@ def _print_groups(timing: str, summary: pd.DataFrame, pairs: pd.DataFrame, res) 
             f"loso_mean_abs_err_pct={np.mean(np.abs(loso)) if len(loso) else float('nan'):.2f} "
             f"pairs_agree={int(mine['agrees'].sum()) if len(mine) else 0}/{len(mine)}"
         )
+        if "fit_err_pct" in have:  # --fit: in-sample with the parameters fitted on every source
+            fit = np.abs(have["fit_err_pct"].to_numpy(float))
+            print(f"{kind} timing={timing} fitted_on_all_sources mean_abs_err_pct={fit.mean():.2f}")
 
 
 def _print_notes(results: pd.DataFrame, timings) -> None:

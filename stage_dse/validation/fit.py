@@ -43,12 +43,22 @@ RESULT_COLUMNS = ("case", "source", "group", "status", "published", "predicted",
 
 @dataclass(frozen=True)
 class Parameter:
+    """A fitted quantity: the value of ``columns`` on the rows of some presets, or (``factor``)
+    a factor on the presets' values of them (e.g. a sustained clock on both tensor-core peaks)."""
+
     name: str
-    column: str
+    columns: tuple[str, ...]
     lower: float
     upper: float
     hardware: tuple[str, ...] = ()
     cluster: tuple[str, ...] = ()
+    factor: bool = False
+    workload: str = ""
+    """Only rows of this workload (``training`` or ``serving``; empty: both)."""
+    prior: float | None = None
+    """Where every fit starts (the physical prior of ``parameters.yaml``); None: the presets'
+    value. A prior independent of the presets keeps the folds honest once fitted values are
+    adopted into the presets (a fold never starts from a value its held-out source moved)."""
 
     def mask(self, table: pd.DataFrame) -> np.ndarray:
         if not len(table):
@@ -58,6 +68,8 @@ class Parameter:
             m |= table["hardware"].isin(self.hardware).to_numpy()
         if self.cluster:
             m |= table["cluster"].isin(self.cluster).to_numpy()
+        if self.workload:
+            m &= (table["workload"] == self.workload).to_numpy()
         return m
 
 
@@ -69,16 +81,20 @@ def load_parameters(text: str | None = None) -> list[Parameter]:
     out = []
     for p in doc.get("parameters", []):
         lo, hi = p["range"]
-        if not 0 < lo < hi:
-            raise ConfigError(f"parameters.yaml: {p['name']}: range must be 0 < low < high")
+        if not 0 <= lo < hi:
+            raise ConfigError(f"parameters.yaml: {p['name']}: range must be 0 <= low < high")
+        columns = p.get("columns", [p.get("column")])
         out.append(
             Parameter(
                 name=p["name"],
-                column=p["column"],
+                columns=tuple(columns),
                 lower=float(lo),
                 upper=float(hi),
                 hardware=tuple(p.get("hardware", ())),
                 cluster=tuple(p.get("cluster", ())),
+                factor=bool(p.get("factor", False)),
+                workload=str(p.get("workload", "")),
+                prior=float(p["prior"]) if "prior" in p else None,
             )
         )
     return out
@@ -132,7 +148,9 @@ class Problem:
             if p.name in theta:
                 m = p.mask(table)
                 if m.any():
-                    table.loc[m, p.column] = theta[p.name]
+                    for col in p.columns:
+                        value = theta[p.name]
+                        table.loc[m, col] = table.loc[m, col] * value if p.factor else value
         return table
 
     def evaluate(self, params: list[Parameter] | None = None, theta=None) -> pd.DataFrame:
@@ -155,7 +173,7 @@ class Problem:
         for table in (self.table, self.prepared.table):
             m = p.mask(table)
             if m.any():
-                return float(table.loc[m, p.column].iloc[0])
+                return 1.0 if p.factor else float(table.loc[m, p.columns[0]].iloc[0])
         return None
 
     def touched(self, p: Parameter) -> list[Case]:
@@ -198,7 +216,8 @@ def fit(
     for p in params:
         start = problem.start(p)
         if start is None:
-            continue
+            continue  # no case uses it
+        start = p.prior if p.prior is not None else start
         theta[p.name] = min(max(start, p.lower), p.upper)
         sub = problem.touching(p)
         if any(c.source.id != exclude for c in sub.cases):

@@ -114,8 +114,8 @@ def training_setup(case: Case) -> TrainingSetup:
     )
     for key in ("recompute", "zero"):
         value = f.get(key)
-        if key == "recompute" and value not in (None, "none", "selective", "full"):
-            raise Unexpressible(f"recompute {value!r} (none, selective or full of every layer)")
+        if key == "recompute" and value not in (None, "none", "selective", "full", "op"):
+            raise Unexpressible(f"recompute {value!r} (none, selective, full or op of every layer)")
         if key == "zero" and isinstance(value, str) and value not in ZERO_NAMES:
             raise Unexpressible(f"sharding {value!r} (ZeRO 0-3, {', '.join(ZERO_NAMES)})")
     if "shard_group" in f and f["shard_group"] != f.get("dp", f["shard_group"]):
