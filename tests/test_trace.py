@@ -662,3 +662,20 @@ def test_select_by_run_id(small_results):
     assert select_and_write(small_results, top=1, run="latest", log=lambda s: None)
     with pytest.raises(ConfigError, match="--run 'nope': no rows of that run"):
         select_and_write(small_results, top=1, run="nope", log=lambda s: None)
+
+
+def test_trace_config_takes_options_before_or_after_the_overrides(tmp_path, capsys):
+    common = ["workload=serving", "model=llama3_8b", "serving.tp=[2]", "serving.pp=[1]",
+              "serving.batch_size=[2]", "serving.prompt_len=[128]"]  # fmt: skip
+    after = tmp_path / "after"
+    assert trace_main(["config", str(after), *common, "--steps", "2"]) == 0
+    before = tmp_path / "before"
+    assert trace_main(["config", str(before), "--steps", "2", *common]) == 0
+    a = json.loads((after / "manifest.json").read_text())
+    b = json.loads((before / "manifest.json").read_text())
+    assert a["decode_steps"] == b["decode_steps"] == 2
+    assert a["plan"] == b["plan"] and a["serving"] == b["serving"]
+    assert sorted(p.name for p in after.iterdir()) == sorted(p.name for p in before.iterdir())
+    capsys.readouterr()
+    assert trace_main(["config", str(tmp_path / "x"), *common, "--stpes", "2"]) == 2
+    assert "unrecognized arguments: --stpes" in capsys.readouterr().err

@@ -3,6 +3,7 @@ into one line on stderr with exit code 2 (never a traceback)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from omegaconf import DictConfig
 
 from stage_dse.config.presets import conf_dir
 from stage_dse.config.schema import register_schemas
-from stage_dse.errors import StageDseError
+from stage_dse.errors import ConfigError, StageDseError
 
 __all__ = ["compose", "fail", "one_line_errors", "precheck"]
 
@@ -127,3 +128,11 @@ def check_jobs(overrides: list[str], validate: Callable[[DictConfig], None]) -> 
         if message:
             return f"job {' '.join(job)}: {message}"
     return None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (a ``ConfigError``, exit 2 through
+    :func:`one_line_errors`) instead of the usage text and an exit from inside argparse."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{message} (see {self.prog} --help)")

@@ -16,7 +16,6 @@ Subcommands:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stage_dse.cli._common import compose, one_line_errors
+from stage_dse.cli._common import OneLineParser, compose, one_line_errors
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.trace.build import TraceConfig
@@ -362,7 +361,7 @@ def _config_mode(out: str, overrides: list[str], granularity: str, steps: int = 
 
 @one_line_errors("stage-dse-trace")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stage-dse-trace", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="stage-dse-trace", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_sel = sub.add_parser("select", help="trace the selected rows of a results folder")
     p_sel.add_argument("results")
@@ -394,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_js = sub.add_parser("json", help="print one rank file as JSON, one node per line")
     p_js.add_argument("file")
-    args = parser.parse_args(argv)
+    # config: options may come before or after the overrides (argparse alone stops taking
+    # positionals after the first option)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.cmd != "config" or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if args.cmd == "select":
         executor = None
         if args.ray:

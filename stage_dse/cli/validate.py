@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from stage_dse.cli._common import one_line_errors
+from stage_dse.cli._common import OneLineParser, one_line_errors
 from stage_dse.cost.table import TIMINGS
 from stage_dse.errors import ConfigError
 from stage_dse.validation.corpus import load_corpus
@@ -39,15 +39,8 @@ def read_recorded() -> dict:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (exit 2), like every other bad input."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"{message} (see stage-dse-validate --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="stage-dse-validate",
         description="Predict every published run of the corpus (stage_dse/validation/corpus/) "
         "and compare: per case, per group (source and target kind) with leave-one-source-out "
