@@ -12,6 +12,7 @@ import pytest
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.bind import evaluate_plan
+from stage_dse.kernels.tables import data_root
 from stage_dse.spec import ParallelPlan, TrainingSpec
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import CorpusError, load_corpus, read_file
@@ -243,7 +244,7 @@ def validation():
     recorded = read_recorded()
     params = load_parameters()
     out = {}
-    for timing in ("roofline", "measured"):
+    for timing in ("roofline", "measured") if data_root() is not None else ("roofline",):
         folds = recorded["timings"][timing]["folds"]
         res = apply_folds(Problem(CASES, timing), params, folds)
         out[timing] = group_summary(res).set_index("group")
@@ -259,7 +260,19 @@ def test_recorded_figures_belong_to_this_corpus(validation):
     )
 
 
-@pytest.mark.parametrize("timing", ["roofline", "measured"])
+@pytest.mark.parametrize(
+    "timing",
+    [
+        "roofline",
+        pytest.param(
+            "measured",
+            marks=pytest.mark.skipif(
+                data_root() is None,
+                reason="the measured extra (aiconfigurator-core) is not installed",
+            ),
+        ),
+    ],
+)
 def test_no_group_got_worse_than_recorded(validation, timing):
     """Each group's mean and leave-one-source-out error may not rise more than one point above
     the recorded value (stage_dse/validation/recorded.yaml): a change that makes fidelity worse
