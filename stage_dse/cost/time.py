@@ -300,8 +300,12 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
     if kernels is None:
         return _compute_time(op, saved)
     if op.kind is OpKind.EINSUM and is_linear(op):
+        # tables hold kernels measured at full clock: a power-limited part runs them at its
+        # sustained clock (the roofline fallback is handed over at full clock likewise)
         gemm, quantize = _gemm_time(op, saved)
-        return kernels.time(Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm)) + quantize
+        clock = S.sustained_clock
+        kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
+        return kernels.time(kernel) / clock + quantize
     if op.kind is OpKind.ATTENTION:
         backward = op.phase is Phase.BACKWARD
         q, k = op.inputs[1:3] if backward else op.inputs[:2]
@@ -309,7 +313,9 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         kv = sp.Mul(*[_local(k, i) for i in range(2, len(k.axes) - 1)])
         shape = (_local(q, 0), _local(q, 1), heads, kv, q.axes[-1].extent, _local(k, 1))
         scale = ATTENTION_BACKWARD_FACTOR if backward else sp.Integer(1)
-        return kernels.time(Kernel("attention", shape, _other_time(op, saved), scale))
+        clock = S.sustained_clock
+        kernel = Kernel("attention", shape, _other_time(op, saved) * clock, scale)
+        return kernels.time(kernel) / clock
     return _compute_time(op, saved)
 
 

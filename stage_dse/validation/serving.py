@@ -43,8 +43,6 @@ from stage_dse.validation.resolve import (
 
 __all__ = ["Prepared", "evaluate_serving", "prepare"]
 
-LATENCY_KINDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_s")
-
 
 def _row(case: Case):
     from stage_dse.runner.serving import serving_row

@@ -270,7 +270,16 @@ def evaluate_training(
     memory, ``unexpressible``: see ``reason``)."""
     if table is None or info is None:
         table, info = build_table(cases)
-    costs = evaluate_table(table, timing=timing) if len(table) else pd.DataFrame()
+    costs = pd.DataFrame()
+    if len(table):
+        # each preset's own table set (hardware.measured_gpu, e.g. the 500 W H100 on h100_sxm's)
+        from stage_dse.kernels.tables import table_set
+
+        gpus = {
+            i["setup"].hardware.name: i["setup"].hardware for i in info.values() if "setup" in i
+        }
+        measured_gpu = {name: table_set(hw) for name, hw in gpus.items()}
+        costs = evaluate_table(table, timing=timing, measured_gpu=measured_gpu)
     picked = choose(table, costs, cases) if len(table) else pd.DataFrame(columns=["row", "oom"])
     out = []
     for case in cases:
