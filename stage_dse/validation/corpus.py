@@ -346,8 +346,7 @@ def _case(run: object, defaults: dict, source: Source, where: str) -> Case:
     if not all(isinstance(u, str) for u in unstated):
         raise CorpusError(f"{label}: unstated must be a list of field names (with an optional "
                           "explanation: 'micro_batch (not printed)')")  # fmt: skip
-    # 'micro_batch (not printed)' -> micro_batch; free text (no field name first) is kept
-    unstated = tuple(u.split()[0].split("(")[0] if u.split() else u for u in unstated)
+    unstated = _field_names(unstated)
     candidates = rec.pop("candidates", {}) or {}
     for key, values in candidates.items():
         if key not in spec:
@@ -369,6 +368,13 @@ def _case(run: object, defaults: dict, source: Source, where: str) -> Case:
         target=target,
         unstated=unstated,
         candidates={k: tuple(v) for k, v in candidates.items()},
+    )
+
+
+def _field_names(entries) -> tuple[str, ...]:
+    """``'micro_batch (not printed)'`` -> ``micro_batch``: the field an unstated entry names."""
+    return tuple(
+        u.split()[0].split("(")[0] if u.split() else u for u in entries if isinstance(u, str)
     )
 
 
@@ -409,7 +415,7 @@ def _check_training(rec: dict, target: dict, tkind: str, label: str) -> None:
     for key in ("tp", "pp"):
         if (
             key not in rec
-            and key not in rec.get("unstated", ())
+            and key not in _field_names(rec.get("unstated", ()))
             and key not in rec.get("candidates", {})
         ):
             raise CorpusError(f"{label}: {key} is neither stated nor listed in unstated")
