@@ -244,9 +244,10 @@ def validation():
     recorded = read_recorded()
     params = load_parameters()
     out = {}
+    prepared = Problem(CASES)
     for timing in ("roofline", "measured") if data_root() is not None else ("roofline",):
         folds = recorded["timings"][timing]["folds"]
-        res = apply_folds(Problem(CASES, timing), params, folds)
+        res = apply_folds(prepared.retimed(timing), params, folds)
         out[timing] = group_summary(res).set_index("group")
     return recorded, out
 

@@ -109,8 +109,9 @@ def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
     params = load_parameters()
     recorded = read_recorded()
     parts, fits = [], {}
+    prepared = Problem(cases, timings[0])
     for timing in timings:
-        problem = Problem(cases, timing)
+        problem = prepared.retimed(timing)
         if args.fit:
             fitted, res = leave_one_source_out(problem, params)
             fits[timing] = fitted

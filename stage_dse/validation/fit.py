@@ -10,18 +10,20 @@ cluster presets, bounded by the range a cited measurement supports. Nothing is f
 2. the loss is the mean over sources of each source's mean ``|ln(predicted / published)|``
    (each source weighs the same, however many figures it has), unstated choices re-chosen by
    the fastest-plan-that-fits rule at every evaluation;
-3. coordinate descent from the presets' values: for each parameter in turn, a golden-section
+3. coordinate descent from each parameter's prior (``parameters.yaml``; the presets' value
+   where none is given): for each parameter in turn, a golden-section
    search over its range on the cases it touches (the loss of the others does not change),
    kept only if it lowers the loss; two sweeps over all parameters.
 
 **Leave one source out** (:func:`leave_one_source_out`): for every source, the fit is rerun
 without its cases and the source is predicted with those parameters. A parameter that no
-remaining case touches keeps its preset value. That error is the figure that counts: a change
+remaining case touches keeps its starting value. That error is the figure that counts: a change
 that lowers the in-sample error and raises this one has fitted noise.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -111,6 +113,14 @@ class Problem:
         self.table, self.info = build_table(self.training)
         self.prepared = prepare(self.serving)
         self._subs: dict[str, Problem] = {}
+
+    def retimed(self, timing: str) -> Problem:
+        """The same preparation under another timing source (candidate plans and serving rows
+        do not depend on it)."""
+        new = copy.copy(self)
+        new.timing = timing
+        new._subs = {}
+        return new
 
     def subset(self, cases: list[Case]) -> Problem:
         """The same preparation restricted to ``cases`` (nothing is rebuilt)."""

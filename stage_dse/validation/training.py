@@ -164,6 +164,9 @@ def _plan(f: dict, framework: dict, model: ModelSpec) -> ParallelPlan:
     if etp not in (None, 1, tp):
         raise Unexpressible(f"expert tensor parallel etp({etp}) other than 1 or tp({tp})")
     v = f.get("virtual_stages", 1)
+    flags = {k: val for k, val in framework.items() if k != "attention"}
+    if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
+        flags["tp_comm_overlap"] = True
     return ParallelPlan(
         dp=dp,
         tp=tp,
@@ -179,11 +182,7 @@ def _plan(f: dict, framework: dict, model: ModelSpec) -> ParallelPlan:
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
         stage_layers=str(f.get("stage_layers", "balanced")),
-        **{
-            **{k: v for k, v in framework.items() if k != "attention"},
-            # torchtitan's async TP: all-gather / reduce-scatter pipelined with the GEMMs
-            **({"tp_comm_overlap": True} if f.get("async_tp") else {}),
-        },
+        **flags,
     )
 
 
@@ -246,7 +245,7 @@ def build_table(cases: list[Case]) -> tuple[pd.DataFrame, dict[str, dict]]:
     return pd.DataFrame(rows), info
 
 
-def choose(table: pd.DataFrame, costs: pd.DataFrame, cases: list[Case]) -> pd.DataFrame:
+def choose(table: pd.DataFrame, costs: pd.DataFrame) -> pd.DataFrame:
     """Per case, the candidate the rule picks: the fastest that fits in memory (the fastest of
     all, flagged ``oom``, when none fits). Returns ``table``'s row index per case."""
     t = pd.DataFrame(
@@ -280,7 +279,7 @@ def evaluate_training(
         }
         measured_gpu = {name: table_set(hw) for name, hw in gpus.items()}
         costs = evaluate_table(table, timing=timing, measured_gpu=measured_gpu)
-    picked = choose(table, costs, cases) if len(table) else pd.DataFrame(columns=["row", "oom"])
+    picked = choose(table, costs) if len(table) else pd.DataFrame(columns=["row", "oom"])
     out = []
     for case in cases:
         rec = result_base(case, timing)
