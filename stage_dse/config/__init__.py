@@ -3,9 +3,11 @@
 from stage_dse.config.presets import (
     cluster_from_dict,
     conf_dir,
+    engine_from_dict,
     hardware_from_dict,
     list_presets,
     load_cluster,
+    load_engine,
     load_framework,
     load_hardware,
     load_model,
@@ -15,9 +17,11 @@ from stage_dse.config.presets import (
 __all__ = [
     "cluster_from_dict",
     "conf_dir",
+    "engine_from_dict",
     "hardware_from_dict",
     "list_presets",
     "load_cluster",
+    "load_engine",
     "load_framework",
     "load_hardware",
     "load_model",

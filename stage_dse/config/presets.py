@@ -6,6 +6,7 @@ Human units stay in YAML; this module turns a preset into a domain spec and noth
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,16 @@ import yaml
 
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
+from stage_dse.spec.engine import EngineSpec
 
 __all__ = [
     "cluster_from_dict",
     "conf_dir",
+    "engine_from_dict",
     "hardware_from_dict",
     "list_presets",
     "load_cluster",
+    "load_engine",
     "load_framework",
     "load_hardware",
     "load_model",
@@ -30,6 +34,8 @@ __all__ = [
 HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "peak_bf16_tflops": ("peak_flops", 1e12),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
+    "peak_fp4_tflops": ("peak_fp4_flops", 1e12),
+    "peak_fp4_tflops": ("peak_fp4_flops", 1e12),
     "hbm_gib": ("hbm_bytes", 2.0**30),
     "hbm_tb_s": ("hbm_bandwidth_bytes_per_s", 1e12),
     "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),
@@ -143,6 +149,30 @@ FRAMEWORK_FIELDS = (
 )
 """Plan fields a framework profile (``conf/framework/<name>.yaml``) sets: what the framework
 does, not what the user chooses."""
+
+
+def load_engine(name: str, **overrides: Any) -> EngineSpec:
+    """An ``EngineSpec`` from ``conf/engine/<name>.yaml`` (costs in microseconds there)."""
+    return engine_from_dict({**read_preset("engine", name), **overrides})
+
+
+def engine_from_dict(data: dict[str, Any]) -> EngineSpec:
+    data = dict(data)
+    for key in ("step_overhead", "request_overhead"):
+        if f"{key}_us" in data:
+            value = data.pop(f"{key}_us")
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"engine.{key}_us must be a number, got {value!r}")
+            data[f"{key}_s"] = value * 1e-6
+    fields = {f.name for f in dataclasses.fields(EngineSpec)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"engine.{unknown[0]} is not a known field; valid: step_overhead_us, "
+            "request_overhead_us, "
+            + ", ".join(sorted(fields - {"step_overhead_s", "request_overhead_s"}))
+        )
+    return EngineSpec(**data)
 
 
 def load_framework(name: str) -> dict[str, Any]:
