@@ -52,15 +52,104 @@ def test_ttft_grows_with_the_arrival_rate_and_diverges_at_saturation():
     table, keys = serving_rows()
     saturated = continuous_batching(table, keys, 64, 512).iloc[0]
     mu = saturated["cb_requests_per_s"]
-    ttft = [
-        continuous_batching(table, keys, 64, 512, rate).iloc[0]["cb_ttft_s"]
-        for rate in (0.0, 0.25 * mu, 0.5 * mu, 0.9 * mu)
+    runs = [
+        continuous_batching(table, keys, 64, 512, rate).iloc[0]
+        for rate in (0.25 * mu, 0.5 * mu, 0.9 * mu, 0.99 * mu)
     ]
-    assert ttft[0] == pytest.approx(saturated["cb_ttft_s"])
+    ttft = [r["cb_ttft_s"] for r in runs]
     assert all(a < b for a, b in itertools.pairwise(ttft))
-    # M/D/1: at half load the wait is half a service time
-    assert ttft[2] - ttft[0] == pytest.approx(0.5 / mu)
-    assert np.isinf(continuous_batching(table, keys, 64, 512, mu).iloc[0]["cb_ttft_s"])
+    # below saturation the engine completes what arrives
+    for rate, r in zip((0.25, 0.5, 0.9, 0.99), runs):
+        assert r["cb_requests_per_s"] == pytest.approx(rate * mu, rel=1e-6)
+    over = continuous_batching(table, keys, 64, 512, mu).iloc[0]
+    assert np.isinf(over["cb_ttft_s"])
+    assert over["cb_requests_per_s"] == pytest.approx(mu)
+
+
+def test_the_offered_load_fixed_point_tends_to_batch_one_and_to_saturation():
+    table, keys = serving_rows()
+    static = evaluate_serving_table(table, keys).iloc[0]
+    saturated = continuous_batching(table, keys, 64, 4096).iloc[0]
+    mu = saturated["cb_requests_per_s"]
+    idle = continuous_batching(table, keys, 64, 4096, 1e-6 * mu).iloc[0]
+    # almost no load: one request alone, its prompt whole (the budget holds it) and then
+    # decoding by itself
+    assert idle["cb_tpot_s"] == pytest.approx(static["serve_tpot_s"], rel=1e-3)
+    assert idle["cb_ttft_s"] == pytest.approx(static["serve_ttft_s"], rel=1e-3)
+    assert idle["cb_running"] < 1e-3
+    # nearly saturated: the saturated batch and step (up to the tagged request's own slot)
+    busy = continuous_batching(table, keys, 64, 4096, 0.999 * mu).iloc[0]
+    assert busy["cb_running"] == pytest.approx(saturated["cb_running"], rel=0.02)
+    assert busy["cb_tpot_s"] == pytest.approx(saturated["cb_tpot_s"], rel=0.03)
+    # TPOT rises with the load in between
+    tpot = [
+        continuous_batching(table, keys, 64, 4096, x * mu).iloc[0]["cb_tpot_s"]
+        for x in (1e-6, 0.3, 0.6, 0.9)
+    ]
+    assert all(a < b for a, b in itertools.pairwise(tpot))
+
+
+def test_short_prompts_share_a_step_and_packing_never_exceeds_the_budget():
+    table, keys = serving_rows(prompt=128, out=128)
+    for budget in (256, 1024, 8192):
+        cb = continuous_batching(table, keys, 1024, budget).iloc[0]
+        per_step = cb["cb_chunk_tokens"] + cb["cb_decode_batch"]
+        assert per_step <= budget * (1 + 1e-9)
+    # 8192 tokens per step: many 128-token prompts ride in each step, so completions per
+    # step exceed one prompt per step
+    cb = continuous_batching(table, keys, 1024, 8192).iloc[0]
+    assert cb["cb_chunk_tokens"] > 4 * 128
+    assert cb["cb_requests_per_s"] * cb["cb_step_s"] > 1
+
+
+@pytest.mark.parametrize("clients", [1, 8, 32])
+def test_closed_loop_clients_are_littles_law(clients):
+    table, keys = serving_rows(prompt=1024, out=256)
+    cb = continuous_batching(table, keys, 64, 4096, clients=clients).iloc[0]
+    assert cb["cb_running"] == pytest.approx(clients, rel=1e-9)
+    # N clients in the system, each request held TTFT + the decode of its other tokens
+    latency = cb["cb_ttft_s"] + 256 * cb["cb_tpot_s"]
+    assert clients / cb["cb_requests_per_s"] == pytest.approx(latency, rel=0.05)
+    more = continuous_batching(table, keys, 16, 4096, clients=64).iloc[0]
+    capped = continuous_batching(table, keys, 16, 4096).iloc[0]
+    # beyond the running limit the others queue: the saturated rate, a longer TTFT
+    assert more["cb_requests_per_s"] == pytest.approx(capped["cb_requests_per_s"])
+    assert more["cb_ttft_s"] > capped["cb_ttft_s"]
+
+
+def test_one_client_is_one_request_at_a_time():
+    table, keys = serving_rows(prompt=2048)
+    static = evaluate_serving_table(table, keys).iloc[0]
+    one = continuous_batching(table, keys, 64, 2048, clients=1).iloc[0]
+    assert one["cb_tpot_s"] == pytest.approx(static["serve_tpot_s"], rel=1e-9)
+    assert one["cb_ttft_s"] == pytest.approx(static["serve_ttft_s"], rel=1e-9)
+
+
+def test_a_burst_drains_at_the_saturated_rate_and_its_ttft_grows_with_its_size():
+    table, keys = serving_rows(prompt=512, out=256)
+    saturated = continuous_batching(table, keys, 64, 2048).iloc[0]
+    bursts = [continuous_batching(table, keys, 64, 2048, burst=n).iloc[0] for n in (1, 64, 4096)]
+    ttft = [b["cb_ttft_s"] for b in bursts]
+    assert all(a < b for a, b in itertools.pairwise(ttft))
+    # a long burst runs mostly saturated
+    assert bursts[-1]["cb_requests_per_s"] == pytest.approx(
+        saturated["cb_requests_per_s"], rel=0.05
+    )
+    # one request alone: its prefill, then its decode
+    assert bursts[0]["cb_makespan_s"] == pytest.approx(
+        bursts[0]["cb_ttft_s"] + 256 * bursts[0]["cb_tpot_s"], rel=0.02
+    )
+
+
+def test_engine_costs_lengthen_every_step():
+    table, keys = serving_rows()
+    plain = continuous_batching(table, keys, 32, 2048).iloc[0]
+    slow = table.assign(step_overhead_s=1e-3, request_overhead_s=1e-5)
+    cb = continuous_batching(slow, keys, 32, 2048).iloc[0]
+    assert cb["cb_decode_step_s"] == pytest.approx(
+        plain["cb_decode_step_s"] + 1e-3 + 1e-5 * plain["cb_running"], rel=1e-9
+    )
+    assert cb["cb_requests_per_s"] < plain["cb_requests_per_s"]
 
 
 def test_the_kv_cache_caps_the_running_requests():
@@ -87,6 +176,9 @@ def test_a_larger_prefill_budget_shortens_ttft_when_prefill_bound():
         ({"max_running": 0}, "serving.max_running"),
         ({"prefill_budget": 0.5}, "serving.prefill_budget"),
         ({"arrival_rate": -1}, "serving.arrival_rate"),
+        ({"clients": 1.5}, "serving.clients"),
+        ({"burst": -3}, "serving.burst"),
+        ({"clients": 4, "arrival_rate": 1.0}, "one load per row"),
     ],
 )
 def test_bad_batching_inputs_name_the_field(kwargs, field):
