@@ -33,17 +33,26 @@ def _fmt_counter(c: Counter, indent: str = "  ") -> str:
 
 
 def _rows_of_run(
-    df, workload: str, models, hardware, cluster: str, gpus=None, training=None, run_id=None
+    df,
+    workload: str,
+    models,
+    hardware,
+    cluster: str,
+    gpus=None,
+    training=None,
+    run_id=None,
+    timing: str = "roofline",
 ):
     """The rows of one run's configurations (a results folder may hold other runs' rows too):
     same workload, models, hardware (Optuna's capacity variants ``name@..GiB`` included),
-    cluster, GPU counts and training step."""
+    cluster, GPU counts, training step and timing source."""
     hw = df["hardware"].astype(str).str.split("@").str[0]
     keep = (
         (df["workload"].astype(str) == workload)
         & df["model"].astype(str).isin(list(models))
         & hw.isin(list(hardware))
         & (df["cluster"].astype(str) == cluster)
+        & (df["timing"].astype(object).fillna("roofline").astype(str) == timing)
     )
     if gpus is not None:
         keep &= df["num_gpus"].isin(list(gpus))
@@ -128,6 +137,7 @@ def run(cfg: DictConfig) -> int:
         usable = min(hw.usable_bytes, limit) if limit else hw.usable_bytes
         print(f"memory judged against: {usable / GIB:.1f} GiB usable per {hw.name} GPU")
     if spec.timing == "measured":
+        _print_tables_note(spec.hardware)
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
         if len(ok):
             share = float(ok["measured_share"].median())
@@ -149,6 +159,7 @@ def run(cfg: DictConfig) -> int:
         gpus,
         spec.training,
         report.run_id,
+        spec.timing,
     )
     rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
     if search is not None and len(search.objectives) > 1:
@@ -188,10 +199,21 @@ def _run_serving(cfg: DictConfig) -> int:
 
     spec = to_serving_sweep(cfg)
     ttft_ms, tpot_ms = _sla(cfg)  # checked before anything is evaluated
+    timing = _serving_timing(cfg, spec.hardware)
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
-    report = run_serving(spec, store)
+    report = run_serving(spec, store, timing=timing)
     df = store.read()
     _print_outcomes(store, df, report, "configurations rejected, by rule:")
+    if timing == "measured":
+        _print_tables_note(spec.hardware)
+        ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
+        if len(ok):
+            share = float(ok["measured_share"].median())
+            step = "engine step" if spec.mode == "continuous" else "request time"
+            print(
+                f"timing: measured kernel tables for {share:.0%} of the {step} (median over "
+                "this run's configurations), roofline for the rest"
+            )
     df = _rows_of_run(
         df,
         "serving",
@@ -199,6 +221,7 @@ def _run_serving(cfg: DictConfig) -> int:
         [hw.name for hw in spec.hardware],
         spec.cluster.name,
         run_id=report.run_id,
+        timing=timing,
     )
     top = serving_top_table(df, cfg.top_k)
     print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
@@ -227,6 +250,26 @@ def _run_serving(cfg: DictConfig) -> int:
     return report.evaluated
 
 
+def _serving_timing(cfg: DictConfig, hardware) -> str:
+    """``timing`` of a serving or recommend job, its tables loaded (a one-line error when the
+    extra is missing or ``hardware.measured_gpu`` names no table set, as for training)."""
+    from stage_dse.runner.serving import serving_timing
+
+    timing = cfg.get("timing", "roofline")
+    serving_timing(timing, hardware)
+    return timing
+
+
+def _print_tables_note(hardware) -> None:
+    """One line per part without measured tables: its rows keep the roofline."""
+    from stage_dse.kernels.tables import table_set
+
+    for hw in hardware:
+        if table_set(hw) is None:
+            print(f"note: timing=measured: no measured kernel tables for {hw.name}; its rows use "
+                  "the roofline")  # fmt: skip
+
+
 def _sla(cfg: DictConfig) -> tuple[float | None, float | None]:
     sla = cfg.serving.sla
     for name in ("ttft_ms", "tpot_ms"):
@@ -239,6 +282,8 @@ def _sla(cfg: DictConfig) -> tuple[float | None, float | None]:
 def _run_recommend(cfg: DictConfig) -> int:
     """``mode=recommend``: the fewest GPUs serving ``serving.target_requests_per_s`` within
     ``serving.sla`` on each hardware, aggregated and disaggregated."""
+    import pandas as pd
+
     from stage_dse.config import load_hardware
     from stage_dse.config.schema import to_serving_sweep
     from stage_dse.runner.recommend import aggregated_rate_at, recommend
@@ -253,6 +298,8 @@ def _run_recommend(cfg: DictConfig) -> int:
         raise StageDseError(f"mode=recommend needs serving.target_requests_per_s > 0, got {target}")
     prompt = spec.prompt_lens[0]
     sv = cfg.serving
+    prefill_hw = load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None
+    timing = _serving_timing(cfg, (*spec.hardware, *([prefill_hw] if prefill_hw else [])))
     print(
         f"recommend {spec.model.name}: {target:g} requests/s of {prompt} prompt + "
         f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
@@ -272,8 +319,9 @@ def _run_recommend(cfg: DictConfig) -> int:
             ttft_sla_s=ttft_ms / 1e3,
             tpot_sla_s=tpot_ms / 1e3,
             tps=tps,
-            prefill_hardware=load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None,
+            prefill_hardware=prefill_hw,
             kv_link=sv.kv_link,
+            timing=timing,
         )
         print(f"\n{hw.name}:")
         for part, frame in (
@@ -311,6 +359,13 @@ def _run_recommend(cfg: DictConfig) -> int:
                 )
         else:
             print("  disaggregated: no pair of pools meets the targets")
+        if timing == "measured":
+            parts = pd.concat([answer.aggregated, answer.disaggregated])
+            if len(parts):
+                print(
+                    f"  timing: measured kernel tables for {parts['measured_share'].median():.0%}"
+                    " of the qualifying candidates' time (median), roofline for the rest"
+                )
         if len(answer.near_miss):
             m = answer.near_miss.iloc[0]
             which = "TPOT" if m.tpot_s / (tpot_ms / 1e3) >= m.ttft_s / (ttft_ms / 1e3) else "TTFT"
@@ -320,8 +375,6 @@ def _run_recommend(cfg: DictConfig) -> int:
                 f"{100 * (m.miss - 1):.0f}%"
             )
     # every qualifying deployment and the nearest misses, as rows beside the sweep's results
-    import pandas as pd
-
     from stage_dse.results.store import new_run_id
 
     folder = Path(cfg.results_dir) / spec.name / "_recommend"
@@ -348,8 +401,9 @@ def validate_config(cfg: DictConfig) -> None:
     from stage_dse.config.schema import to_serving_sweep
 
     check_top_level(cfg)
-    if cfg.workload == "serving":
-        to_serving_sweep(cfg)
+    if cfg.workload == "serving" or cfg.mode == "recommend":
+        spec = to_serving_sweep(cfg)
+        _serving_timing(cfg, spec.hardware)
         return
     to_sweep(cfg)
     if cfg.search.kind == "optuna":

@@ -14,6 +14,12 @@ serves ``R / (output_tokens x TPOT)`` requests/s.
 ``x`` prefill and ``y`` decode replicas (``xPyD``) serve ``min(x mu_p, y mu_d)`` requests/s on
 ``x g_p + y g_d`` GPUs; :func:`best_ratio` picks the small integer pair with the most output
 tokens/s per GPU, so that neither pool starves the other.
+
+Under measured kernel timing (the pools' static outputs evaluated with ``timing="measured"``)
+``dis_measured_share`` is the share of a request's time, ``TTFT + (output_tokens - 1) x
+TPOT`` with the transfer in TTFT, that came from tables: the prefill pool's measured share of
+its TTFT and the decode pool's of its TPOT, weighted by their parts (the KV transfer is the
+network model's).
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ def disaggregated(
     tpot = decode["serve_tpot_s"].to_numpy()
     mu_p = np.asarray(prefill_batch, float) / ttft_prefill
     mu_d = np.asarray(decode_batch, float) / (np.asarray(output_tokens, float) * tpot)
+    after = (np.asarray(output_tokens, float) - 1) * tpot
+    measured = _share(prefill, "serve_ttft_measured_share") * ttft_prefill
+    measured = measured + _share(decode, "serve_tpot_measured_share") * after
     return pd.DataFrame(
         {
             "dis_ttft_s": ttft_prefill + transfer,
@@ -65,9 +74,15 @@ def disaggregated(
             "dis_decode_requests_per_s": mu_d,
             "dis_prefill_gpus": np.broadcast_to(np.asarray(prefill_gpus, float), tpot.shape),
             "dis_decode_gpus": np.broadcast_to(np.asarray(decode_gpus, float), tpot.shape),
+            "dis_measured_share": measured / (ttft_prefill + transfer + after),
         },
         index=decode.index,
     )
+
+
+def _share(static: pd.DataFrame, name: str) -> np.ndarray:
+    """A measured share of static serving outputs (0: roofline timing)."""
+    return static[name].to_numpy() if name in static else np.zeros(len(static))
 
 
 def best_ratio(per_replica: pd.DataFrame, output_tokens, max_replicas: int = 8) -> pd.DataFrame:

@@ -25,6 +25,7 @@ of serving configurations. No I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,15 +34,33 @@ import pandas as pd
 import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
-from stage_dse.cost.time import _compute_time, collective_time
+from stage_dse.cost.network import domain_collective_time, group_tiers
+from stage_dse.cost.recompute import is_linear
+from stage_dse.cost.time import (
+    Kernel,
+    _compute_time,
+    _gemm_time,
+    _local,
+    _other_time,
+    collective_time,
+    gemm_mnk,
+)
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, OpKind, Phase, Region, Role
+from stage_dse.graph.layers import dense_layers_among
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
 from stage_dse.spec.serving import ServingSpec, validate_serving
 
-__all__ = ["ServingKey", "evaluate_serving_table", "serving_key", "serving_program"]
+__all__ = [
+    "ServingKey",
+    "ServingTiming",
+    "evaluate_serving_table",
+    "measured_serving_program",
+    "serving_key",
+    "serving_program",
+]
 
 
 @dataclass(frozen=True)
@@ -96,14 +115,15 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
-def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
+def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     compute, comm, mem, flops, attention = [], [], [], [], []
     for op in ops:
         if op.is_comm:
-            comm.append(collective_time(op.coll, op.group, op.comm_bytes, order))
+            t = collective_time(op.coll, op.group, op.comm_bytes, order)
+            comm.append(measure.collective(op, order, t) if measure is not None else t)
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
-            t = _compute_time(op)
+            t = _compute_time(op) if measure is None else measure.compute(op)
             (attention if op.region is Region.ATTENTION_CORE else compute).append(t)
             mem.append(op.bytes / (S.hbm_bandwidth * S.memory_efficiency))
             eff = S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency
@@ -126,25 +146,61 @@ def _forward(graph: Graph, order) -> dict[str, sp.Expr]:
     }
 
 
-@lru_cache(maxsize=64)
+PASSES: dict[str, dict[sp.Symbol, sp.Expr]] = {
+    "prefill": {S.seq: S.prompt, S.context: S.prompt},
+    "decode": {S.seq: sp.Integer(1), S.context: S.prompt + S.output_tokens / 2},
+}
+"""The two passes and the lengths they run at: the prompt through every layer; one token per
+sequence against the cache at its mean length."""
+
+
 def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     """Named serving outputs over the symbols (``serve_*``)."""
+    return _program(key, False)[0]
+
+
+def measured_serving_program(
+    key: ServingKey,
+) -> tuple[dict[str, sp.Expr], tuple[tuple[str, Kernel, sp.Symbol], ...]]:
+    """:func:`serving_program` with the kernels measured tables time (linear GEMMs, prefill
+    and decode attention, one-domain collectives: :class:`_Measure`) as input symbols, one per
+    distinct kernel of each pass, and those kernels: ``(pass, kernel, symbol)``, the kernel's
+    shape and roofline over the symbols before the pass's lengths (:data:`PASSES`) are
+    substituted."""
+    return _program(key, True)
+
+
+class _PassKernels:
+    """The measured kernels of both passes, each with the input symbol of its time."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[tuple[str, Kernel], sp.Symbol] = {}
+
+    def time(self, mode: str, kernel: Kernel) -> sp.Symbol:
+        sym = self.symbols.get((mode, kernel))
+        if sym is None:
+            sym = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
+            self.symbols[mode, kernel] = sym
+        return sym
+
+
+@lru_cache(maxsize=128)
+def _program(key: ServingKey, measured: bool):
     L, pp = S.layers, S.pp
+    kernels = _PassKernels() if measured else None
     # layers on the fullest stage under the plan's split (stage_dse.spec.stages)
     per_stage = sp.Max(S.first_layers, S.last_layers, S.mid_layers)
     single = sp.Max(0, 2 - pp)
     out: dict[str, sp.Expr] = {}
     passes = {}
-    for mode, subs in (
-        ("prefill", {S.seq: S.prompt, S.context: S.prompt}),
-        ("decode", {S.seq: sp.Integer(1), S.context: S.prompt + S.output_tokens / 2}),
-    ):
+    for mode, subs in PASSES.items():
         graphs = build_serving_graphs(key.graph, mode, key.kv_bytes)
-        emb = _forward(graphs.embed, key.rank_order)
-        blk = _forward(graphs.block, key.rank_order)
-        head = _forward(graphs.head, key.rank_order)
-        dns = _forward(graphs.dense, key.rank_order) if graphs.dense is not None else None
-        n_dense = S.dense_layers if dns is not None else 0
+        measure = _Measure(kernels, mode, key) if kernels is not None else None
+        emb = _forward(graphs.embed, key.rank_order, measure)
+        blk = _forward(graphs.block, key.rank_order, measure)
+        head = _forward(graphs.head, key.rank_order, measure)
+        dns = _forward(graphs.dense, key.rank_order, measure) if graphs.dense is not None else None
+        n_dense = dense_layers_among(L, "whole") if dns is not None else 0
         boundary = graphs.boundary.local_bytes
         hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
 
@@ -162,11 +218,19 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
             "kv_local": blk["kv_local"],
         }
         if mode == "decode":
+
+            def layer_weights(layers: sp.Expr, where: str, blk=blk, dns=dns) -> sp.Expr:
+                """Weights of a stage's dense-MLP and MoE layers (dense_layers_among)."""
+                if dns is None:
+                    return layers * blk["weights"]
+                dense = dense_layers_among(layers, where)
+                return (layers - dense) * blk["weights"] + dense * dns["weights"]
+
             weights_first = (
-                emb["weights"] + S.first_layers * blk["weights"] + single * head["weights"]
+                emb["weights"] + layer_weights(S.first_layers, "first") + single * head["weights"]
             )
-            weights_last = S.last_layers * blk["weights"] + head["weights"]
-            weights_mid = S.mid_layers * blk["weights"]
+            weights_last = layer_weights(S.last_layers, "last") + head["weights"]
+            weights_mid = layer_weights(S.mid_layers, "mid")
             out["serve_weights_bytes"] = sp.Max(weights_first, weights_last, weights_mid)
     dec, pre = passes["decode"], passes["prefill"]
     batch = S.micro_batch * S.dp
@@ -196,7 +260,8 @@ def serving_program(key: ServingKey) -> dict[str, sp.Expr]:
     out["serve_decode_memory_s"] = dec["memory_time"]
     out["serve_decode_compute_s"] = dec["compute_time"]
     out["serve_weight_read_s"] = out["serve_weights_bytes"] / S.hbm_bandwidth
-    return out
+    found = tuple((m, k, sym) for (m, k), sym in kernels.symbols.items()) if kernels else ()
+    return out, found
 
 
 @lru_cache(maxsize=64)
@@ -207,17 +272,200 @@ def _compiled(key: ServingKey):
     return names, _wrap(fn, len(names))
 
 
-def evaluate_serving_table(table: pd.DataFrame, keys: list[ServingKey]) -> pd.DataFrame:
-    """Serving outputs of every row; ``keys[i]`` is row i's serving key."""
+TIMINGS = ("roofline", "measured")
+SHARES = ("serve_ttft_measured_share", "serve_tpot_measured_share", "serve_measured_share")
+"""Extra outputs of a measured evaluation: the share of TTFT, of TPOT and of a request's
+end-to-end time ``TTFT + (output_tokens - 1) x TPOT`` that came from tables."""
+
+
+@dataclass(frozen=True)
+class ServingTiming:
+    """Where a serving evaluation's kernel times come from (:func:`evaluate_serving_table`'s
+    ``timing``; the strings ``"roofline"`` and ``"measured"`` stand for the defaults)."""
+
+    source: str = "roofline"
+    """``roofline``, or ``measured`` (the kernels of :class:`_Measure` from measured tables
+    where a table reaches, :mod:`stage_dse.kernels`)."""
+    measured_gpu: Mapping[str, str | None] | None = None
+    """Hardware name -> its table set (None: no tables, the roofline); a name not listed
+    takes its preset's (:data:`stage_dse.kernels.tables.GPU_TABLES`)."""
+    bump: float = 0.0
+    """Every measured kernel's time is taken ``1 + bump`` times as long: what a measured share
+    of a quantity composed outside this module (a continuous-batching step) is the relative
+    derivative along."""
+
+    def __post_init__(self) -> None:
+        if self.source not in TIMINGS:
+            raise ValueError(f"timing={self.source!r} is not one of: {', '.join(TIMINGS)}")
+
+    @classmethod
+    def of(cls, timing: str | ServingTiming) -> ServingTiming:
+        return timing if isinstance(timing, ServingTiming) else cls(str(timing))
+
+
+def evaluate_serving_table(
+    table: pd.DataFrame, keys: list[ServingKey], timing: str | ServingTiming = "roofline"
+) -> pd.DataFrame:
+    """Serving outputs of every row; ``keys[i]`` is row i's serving key.
+
+    ``timing="measured"`` (or a :class:`ServingTiming`) times prefill and decode GEMMs,
+    prefill and decode attention and one-domain collectives from tables of measured kernels
+    (:class:`_Measure`), per the rows' ``hardware`` labels, the rest by the roofline; the
+    outputs then include :data:`SHARES`. Every output that composes a step (TTFT, TPOT and
+    their attention parts) uses the same kernel times."""
+    timing = ServingTiming.of(timing)
     if len(table) == 0:
         return pd.DataFrame(index=table.index)
     x = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)
-    codes: dict[ServingKey, list[int]] = {}
+    gpu_of: dict[str, str | None] = {}
+    hardware: list = [None] * len(table)
+    if timing.source == "measured":
+        from stage_dse.kernels.tables import table_set
+
+        if "hardware" not in table:
+            raise KeyError("timing=measured needs the serving table's hardware column")
+        chosen = timing.measured_gpu or {}
+        hardware = table["hardware"].astype(str).tolist()
+        for hw in set(hardware):
+            # a name the caller maps to None has no tables; an unmapped one its preset's
+            gpu_of[hw] = table_set(hw, (chosen[hw] or "none") if hw in chosen else "")
+    codes: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
-        codes.setdefault(k, []).append(i)
+        codes.setdefault((k, gpu_of.get(hardware[i])), []).append(i)
     frames = []
-    for k, rows in codes.items():
-        names, fn = _compiled(k)
-        y = fn(x[rows])
+    for (k, gpu), rows in codes.items():
+        if timing.source == "measured":
+            names, y = _evaluate_measured(k, x[rows], gpu, timing.bump)
+        else:
+            names, fn = _compiled(k)
+            y = fn(x[rows])
         frames.append(pd.DataFrame(y, columns=list(names), index=table.index[rows]))
     return pd.concat(frames).reindex(table.index)
+
+
+@lru_cache(maxsize=64)
+def _compiled_measured(key: ServingKey):
+    """The measured program of one key: output names, the program over the symbols and the
+    kernels' seconds, the kernels' shapes and roofline seconds over the symbols, the kernels."""
+    import symengine as se
+
+    outputs, found = measured_serving_program(key)
+    names = tuple(outputs)
+    kernels = tuple(k for _, k, _ in found)
+    args = [se.Symbol(n) for n in SYMBOL_NAMES] + [se.Symbol(s.name) for _, _, s in found]
+    fn = _lambdify_symengine(_to_symengine([], [outputs[n] for n in names]), args)
+    # each pass's lengths substituted in symengine (sympy would re-evaluate the collectives'
+    # piecewise conditions on the way)
+    shape_exprs = []
+    for mode, kernel, _ in found:
+        exprs = [sp.sympify(e) for e in (*kernel.shape, kernel.roofline)]
+        shape_exprs += _to_symengine(list(PASSES[mode].items()), exprs)
+    shapes = _lambdify_symengine(shape_exprs)
+    return names, _wrap(fn, len(names)), _wrap(shapes, len(shape_exprs)), kernels
+
+
+EPS = 1e-6
+
+
+def _evaluate_measured(key: ServingKey, x: np.ndarray, gpu: str | None, bump: float):
+    """Rows of one key on table set ``gpu`` (None: the roofline's kernel times): outputs and
+    the measured shares (:data:`SHARES`), the derivatives of TTFT, TPOT and a request's time
+    along the measured kernels' times."""
+    from stage_dse.kernels.tables import load_tables
+    from stage_dse.kernels.timing import kernel_seconds
+
+    names, fn, shapes, kernels = _compiled_measured(key)
+    tables = load_tables(gpu) if gpu else None
+    seconds, measured = kernel_seconds(kernels, shapes(x), tables)
+    if bump:
+        seconds = seconds * (1 + bump * measured)
+    y = fn(np.hstack([x, seconds]))
+    share = np.zeros((len(x), len(SHARES)))
+    if measured.any():
+        bumped = fn(np.hstack([x, seconds * (1 + EPS * measured)]))
+        i, j = names.index("serve_ttft_s"), names.index("serve_tpot_s")
+        after = x[:, SYMBOL_NAMES.index("output_tokens")] - 1
+        for col, (a, b) in enumerate(
+            (
+                (y[:, i], bumped[:, i]),
+                (y[:, j], bumped[:, j]),
+                (y[:, i] + after * y[:, j], bumped[:, i] + after * bumped[:, j]),
+            )
+        ):
+            share[:, col] = np.clip((b - a) / (EPS * a), 0.0, 1.0)
+    return (*names, *SHARES), np.hstack([y, share])
+
+
+class _Measure:
+    """The kernels of one serving pass that measured tables time (:mod:`stage_dse.kernels`),
+    each registered as an input symbol with its shape on one GPU and its roofline seconds
+    (kept where no table reaches):
+
+    * linear GEMMs, prefill and decode alike, by their own (m, n, k): decode GEMMs at
+      ``m`` = the running batch (grouped expert GEMMs and MLA's batched absorbed projections
+      keep the roofline: :func:`_batched`);
+    * attention over the KV cache: prefill by (batch, prompt), decode by (batch, KV length),
+      per (heads, kv heads, head dim, cache bytes); DeepSeek-style latent attention on the
+      MLA tables (prefill decompressed, decode absorbed over the cached latents);
+    * all-reduce, all-gather, reduce-scatter and all-to-all inside one NVLink domain (an
+      all-reduce at the faster of NCCL's and the engine's own kernel).
+
+    Kernel tables hold times at the full clock: a power-limited part runs the measured
+    kernels at its sustained clock, as in training. Norms, element-wise kernels, embeddings,
+    cache writes, the FP8 quantize kernels and pipeline sends keep the roofline."""
+
+    NCCL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+    def __init__(self, kernels: _PassKernels, mode: str, key: ServingKey) -> None:
+        self.kernels, self.mode = kernels, mode
+        self.mla = key.graph.mla
+        self.kv_bytes = sp.Integer(key.kv_bytes)
+
+    def _time(self, kernel: Kernel) -> sp.Symbol:
+        return self.kernels.time(self.mode, kernel)
+
+    def compute(self, op) -> sp.Expr:
+        clock = S.sustained_clock
+        if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
+            gemm, quantize = _gemm_time(op)
+            kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
+            return self._time(kernel) / clock + quantize
+        if op.kind is OpKind.ATTENTION:
+            return self._time(self._attention(op)) / clock
+        return _compute_time(op)
+
+    def _attention(self, op) -> Kernel:
+        q, k, v = op.inputs[:3]
+        batch, prompt, cached = _local(q, 0), _local(q, 1), _local(k, 1)
+        roofline = _other_time(op) * S.sustained_clock
+        prefill = self.mode == "prefill"
+        if self.mla:  # prefill: query/key and value head dims; decode: latent and its values
+            layout = (_local(q, 2), q.axes[-1].extent, v.axes[-1].extent, self.kv_bytes)
+            table = "context_mla" if prefill else "generation_mla"
+        else:
+            heads = sp.Mul(*[_local(q, i) for i in range(2, len(q.axes) - 1)])
+            kv = sp.Mul(*[_local(k, i) for i in range(2, len(k.axes) - 1)])
+            layout = (heads, kv, q.axes[-1].extent, self.kv_bytes)
+            table = "context_attention" if prefill else "generation_attention"
+        # the physical floor (operands at the peak HBM bandwidth): some measured points lie
+        # below it (A100's decode table), and the table is never taken below it
+        floor = op.bytes / S.hbm_bandwidth
+        return Kernel(table, (batch, prompt if prefill else cached, floor, *layout), roofline)
+
+    def collective(self, op, order, seconds: sp.Expr) -> sp.Expr:
+        if op.coll.value not in self.NCCL:
+            return seconds
+        n_in, n_out, _ = group_tiers(frozenset(op.group), order)
+        intra = domain_collective_time(op.coll, n_in, op.comm_bytes)
+        kind = "engine_all_reduce" if op.coll is CollKind.ALL_REDUCE else op.coll.value
+        return self._time(Kernel(kind, (op.comm_bytes, n_in, n_out, intra), seconds))
+
+
+def _batched(op) -> bool:
+    """An einsum with an axis all three operands have: a grouped GEMM over experts or a
+    batched one over heads (MLA's absorbed projections), one kernel whose weights differ per
+    group. The GEMM tables hold single GEMMs, whose latency floor a grouped kernel pays once,
+    not per group: these keep the roofline (which times the grouped op as one kernel)."""
+    a, b = op.inputs
+    (out,) = op.outputs
+    return bool(set(a.axes) & set(b.axes) & set(out.axes))

@@ -7,12 +7,24 @@ This module reads three of them for one GPU into :class:`~stage_dse.kernels.inte
 objects, in seconds and bytes:
 
 * ``gemm_perf``: GEMM latency by (m, n, k), one table per GEMM dtype (``bf16``; ``fp8`` on
-  GPUs with FP8 tensor cores);
+  GPUs with FP8 tensor cores; ``nvfp4`` on GPUs with FP4 tensor cores);
 * ``context_attention_perf``: fused prefill attention by (batch, sequence length), one table per
-  (heads, kv heads, head dim), 16-bit inputs and cache, no sliding window;
+  (heads, kv heads, head dim), 16-bit inputs, no sliding window; a 16-bit cache (what training
+  uses, :attr:`MeasuredTables.attention`) and, for serving, an FP8 cache where measured;
+* ``generation_attention_perf``: decode attention (one query token per sequence against its
+  KV cache) by (batch, KV length), one table per (heads, kv heads, head dim, cache bytes);
+  the package's ``step`` counts cached positions beyond the ``isl`` of 1, so the KV length
+  is ``isl + step``;
+* ``context_mla_perf`` / ``generation_mla_perf``: DeepSeek-V3's multi-head latent attention
+  (128-dim nope and 64-dim rotary query/key parts, 128-dim values, a 512-rank latent) in
+  prefill by (batch, sequence) and in decode by (batch, KV length), one table per (heads on
+  one GPU, cache bytes);
 * ``nccl_perf``: NCCL all-reduce / all-gather / reduce-scatter / all-to-all by message size,
   one table per GPU count (2, 4, 8: one NVLink domain), 16-bit elements (``message_size`` is
-  in elements there; here it is bytes, 2 per element).
+  in elements there; here it is bytes, 2 per element);
+* ``custom_allreduce_perf``: TensorRT-LLM's own all-reduce kernel (one-shot / two-shot over
+  NVLink, what inference engines run instead of NCCL's for tensor-parallel sums), the same
+  axes as NCCL's.
 
 The TensorRT-LLM backend's newest collection is used (its GEMMs and attention are the
 cuBLAS/FMHA kernels training frameworks call too). Tables load once per process (and per Ray
@@ -55,6 +67,10 @@ def table_set(hardware, chosen: str | None = None) -> str | None:
 
 
 MS = 1e-3
+FORMAT = "f2"
+"""Layout of the cached copy (:func:`_cache_file`): a new one whenever the tables read change."""
+KV_BYTES = {"bfloat16": 2, "fp8": 1}
+"""KV cache dtype of the package -> bytes per element."""
 NCCL_OPS = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
@@ -75,17 +91,46 @@ def data_root() -> Path | None:
 class MeasuredTables:
     """The GEMM, attention and NCCL tables of one GPU (see the module docstring)."""
 
-    def __init__(self, gpu: str, gemm: dict, attention: dict, nccl: dict, version: str):
+    def __init__(
+        self,
+        gpu: str,
+        gemm: dict,
+        attention: dict,
+        nccl: dict,
+        version: str,
+        *,
+        context: dict | None = None,
+        generation: dict | None = None,
+        context_mla: dict | None = None,
+        generation_mla: dict | None = None,
+        custom_all_reduce: dict | None = None,
+    ):
         self.gpu = gpu
         self.gemm: dict[str, GridTable] = gemm
         self.attention: dict[tuple[int, int, int], GridTable] = attention
+        """Prefill attention, 16-bit cache, by (heads, kv heads, head dim); grid (batch, seq)."""
         self.nccl: dict[tuple[str, int], GridTable] = nccl
         self.version = version
+        self.context: dict[tuple[int, int, int, int], GridTable] = context or {
+            (*layout, 2): grid for layout, grid in attention.items()
+        }
+        """Prefill attention by (heads, kv heads, head dim, cache bytes); grid (batch, seq)."""
+        self.generation: dict[tuple[int, int, int, int], GridTable] = generation or {}
+        """Decode attention by (heads, kv heads, head dim, cache bytes); grid (batch, KV
+        length)."""
+        self.context_mla: dict[tuple[int, int], GridTable] = context_mla or {}
+        """MLA prefill by (heads on one GPU, cache bytes); grid (batch, seq)."""
+        self.generation_mla: dict[tuple[int, int], GridTable] = generation_mla or {}
+        """MLA decode by (heads on one GPU, cache bytes); grid (batch, KV length)."""
+        self.custom_all_reduce: dict[int, GridTable] = custom_all_reduce or {}
+        """TensorRT-LLM's all-reduce by GPU count; grid (bytes,)."""
 
     def __repr__(self) -> str:
         return (
             f"MeasuredTables({self.gpu}, {BACKEND} {self.version}: gemm {sorted(self.gemm)}, "
-            f"{len(self.attention)} attention head layouts, {len(self.nccl)} NCCL tables)"
+            f"{len(self.attention)} attention head layouts, {len(self.generation)} decode "
+            f"attention layouts, {len(self.generation_mla)} MLA decode layouts, "
+            f"{len(self.nccl)} NCCL tables)"
         )
 
 
@@ -127,7 +172,7 @@ def _cache_file(gpu: str, version: str) -> Path | None:
         package = installed("aiconfigurator-core")
     except PackageNotFoundError:
         return None
-    return cache_dir() / f"measured-{gpu}-{BACKEND}-{version}-aic{package}.pkl"
+    return cache_dir() / f"measured-{gpu}-{BACKEND}-{version}-aic{package}-{FORMAT}.pkl"
 
 
 def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
@@ -135,27 +180,26 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
 
     gemm_frame = pd.read_parquet(root / gpu / "gemm" / BACKEND / version / "gemm_perf.parquet")
     gemm = {}
-    for ours, theirs in (("bf16", "bfloat16"), ("fp8", "fp8")):
+    for ours, theirs in (("bf16", "bfloat16"), ("fp8", "fp8"), ("nvfp4", "nvfp4")):
         g = gemm_frame[gemm_frame["gemm_dtype"] == theirs]
         if len(g):
             gemm[ours] = GridTable.from_points(
                 ("m", "n", "k"), g[["m", "n", "k"]].to_numpy(), g["latency"].to_numpy() * MS
             )
     att_dir = root / gpu / "attention" / BACKEND
-    name = "context_attention_perf.parquet"
-    a = pd.read_parquet(att_dir / _newest(att_dir, name) / name)
-    a = a[
-        (a["attn_dtype"] == "bfloat16")
-        & (a["kv_cache_dtype"] == "bfloat16")
-        & (a["window_size"] == 0)
-        & (a["beam_width"] == 1)
-    ]
-    attention = {}
-    for (h, kv, hd), g in a.groupby(["num_heads", "num_key_value_heads", "head_dim"]):
-        if g["batch_size"].nunique() > 1 and g["isl"].nunique() > 1:
-            attention[int(h), int(kv), int(hd)] = GridTable.from_points(
-                ("batch", "seq"), g[["batch_size", "isl"]].to_numpy(), g["latency"].to_numpy() * MS
-            )
+    heads = ["num_heads", "num_key_value_heads", "head_dim"]
+    context = _attention_grids(_read_newest(att_dir, "context_attention_perf"), heads, "seq")
+    attention = {layout[:3]: grid for layout, grid in context.items() if layout[3] == 2}
+    generation = _attention_grids(_read_newest(att_dir, "generation_attention_perf"), heads, "kv")
+    mla_dir = root / gpu / "mla" / BACKEND
+    context_mla = generation_mla = {}
+    if mla_dir.is_dir():
+        context_mla = _attention_grids(
+            _read_newest(mla_dir, "context_mla_perf"), ["num_heads"], "seq"
+        )
+        generation_mla = _attention_grids(
+            _read_newest(mla_dir, "generation_mla_perf"), ["num_heads"], "kv"
+        )
     nccl_dir = root / gpu / "comm" / "nccl"
     n = pd.read_parquet(nccl_dir / _newest(nccl_dir, "nccl_perf.parquet") / "nccl_perf.parquet")
     n = n[n["nccl_dtype"] == "half"]
@@ -167,7 +211,60 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
                 2.0 * g[["message_size"]].to_numpy(),
                 g["latency"].to_numpy() * MS,
             )
-    return MeasuredTables(gpu, gemm, attention, nccl, version)
+    custom = {}
+    custom_dir = root / gpu / "comm" / BACKEND
+    if custom_dir.is_dir() and any(custom_dir.glob("*/custom_allreduce_perf.parquet")):
+        c = _read_newest(custom_dir, "custom_allreduce_perf")
+        c = c[c["allreduce_dtype"] == "bfloat16"]
+        for gpus, g in c.groupby("num_gpus"):
+            custom[int(gpus)] = GridTable.from_points(
+                ("bytes",), 2.0 * g[["message_size"]].to_numpy(), g["latency"].to_numpy() * MS
+            )
+    return MeasuredTables(
+        gpu,
+        gemm,
+        attention,
+        nccl,
+        version,
+        context=context,
+        generation=generation,
+        context_mla=context_mla,
+        generation_mla=generation_mla,
+        custom_all_reduce=custom,
+    )
+
+
+def _read_newest(folder: Path, table: str):
+    import pandas as pd
+
+    name = f"{table}.parquet"
+    return pd.read_parquet(folder / _newest(folder, name) / name)
+
+
+def _attention_grids(frame, layout: list[str], length: str) -> dict[tuple[int, ...], GridTable]:
+    """Grids of one attention table: 16-bit attention inputs, no sliding window, one beam;
+    keyed by ``layout`` columns and the cache's bytes per element; axes (batch, ``seq``: the
+    prompt, or ``kv``: the cached positions a decode step reads, ``isl + step``)."""
+    keep = frame["kv_cache_dtype"].isin(list(KV_BYTES))
+    for col, value in (("attn_dtype", "bfloat16"), ("mla_dtype", "bfloat16")):
+        if col in frame:
+            keep &= frame[col] == value
+    for col, value in (("window_size", 0), ("beam_width", 1)):
+        if col in frame:
+            keep &= frame[col] == value
+    f = frame[keep].assign(
+        kv_bytes=frame.loc[keep, "kv_cache_dtype"].map(KV_BYTES),
+        length=frame.loc[keep, "isl"] + (frame.loc[keep, "step"] if length == "kv" else 0),
+    )
+    grids = {}
+    for values, g in f.groupby([*layout, "kv_bytes"]):
+        if g["batch_size"].nunique() > 1 and g["length"].nunique() > 1:
+            grids[tuple(int(v) for v in values)] = GridTable.from_points(
+                ("batch", length),
+                g[["batch_size", "length"]].to_numpy(),
+                g["latency"].to_numpy() * MS,
+            )
+    return grids
 
 
 def _newest(folder: Path, table: str) -> str:

@@ -19,6 +19,24 @@ How an op meets a table (:class:`~stage_dse.cost.time.Kernel` gives its shape on
   linear in bytes. A group spanning domains keeps the alpha-beta model for its scale-out part:
   its time is the alpha-beta time with the intra-domain part (the same collective over the
   domain's members) replaced by the measured one; ``measured_share`` counts it as roofline.
+  An inference engine's all-reduce (``engine_all_reduce``) takes the faster of NCCL's and
+  TensorRT-LLM's own kernel (what engines call for tensor-parallel sums).
+
+Serving kernels (:mod:`stage_dse.cost.serving`):
+
+* **Prefill attention** (``context_attention``): the prefill table of the same (heads, kv heads,
+  head dim) and cache bytes, by (batch, prompt), never below the time of moving its operands
+  at the peak HBM bandwidth (some measured points are faster); **decode attention**
+  (``generation_attention``): the decode table, by (batch, KV length); DeepSeek-V3's latent
+  attention (``context_mla``, ``generation_mla``) the MLA tables by heads on one GPU, only
+  for its dimensions (192-dim query/key heads and 128-dim values in prefill; a 576-dim cached
+  latent read as keys and its 512-dim part as values in decode). A batch beyond what the
+  table measured at that length (beyond its largest batch, or in a cell the collection left
+  out: long caches are measured at small batches only) runs as waves of the largest batch
+  measured there (``batch / b`` times its time): these kernels stream the cache, linear in
+  the batch where the cut falls.
+* **GEMMs** as in training, at their own m (decode: the running batch); FP4 GEMMs
+  (``gemm_bytes`` below 0.75) on the ``nvfp4`` table where the GPU has one.
 
 Anything else, and any shape outside a table (including an unmeasured cell), keeps its roofline
 time and is counted as such.
@@ -53,8 +71,8 @@ def kernel_seconds(
     for table, js in by_table.items():
         n = len(kernels[js[0]].shape)
         shape = np.concatenate([shape_out[:, starts[j] : starts[j] + n] for j in js])
-        if table in ("gemm", "attention"):
-            got, inside = _gemm(shape, tables) if table == "gemm" else _attention(shape, tables)
+        if table in LOOKUPS:
+            got, inside = LOOKUPS[table](shape, tables)
             whole = inside
         else:
             full = roofline[:, js].T.reshape(-1)
@@ -71,7 +89,11 @@ def _gemm(shape: np.ndarray, tables: MeasuredTables):
     m, n, k, gemm_bytes = shape.T
     out = np.full(len(shape), np.nan)
     inside = np.zeros(len(shape), dtype=bool)
-    for dtype, rows in (("bf16", gemm_bytes >= 1.5), ("fp8", gemm_bytes < 1.5)):
+    for dtype, rows in (
+        ("bf16", gemm_bytes >= 1.5),
+        ("fp8", (gemm_bytes < 1.5) & (gemm_bytes >= 0.75)),
+        ("nvfp4", gemm_bytes < 0.75),
+    ):
         grid = tables.gemm.get(dtype)
         if grid is None or not rows.any():
             continue
@@ -104,23 +126,107 @@ def _attention(shape: np.ndarray, tables: MeasuredTables):
     return out, inside
 
 
+def _batched(grid, batch: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A (batch, length) table at each query; a batch the table did not measure at that
+    length (beyond its largest, or in a cell left out) as ``batch / b`` waves of the largest
+    batch ``b <= batch`` measured there."""
+    got, ok = grid.lookup(batch, length)
+    lengths = grid.axes[1]
+    todo = ~ok & (batch >= grid.axes[0][0]) & (length >= lengths[0]) & (length <= lengths[-1])
+    for b in grid.axes[0][::-1]:
+        rows = np.flatnonzero(todo & (batch >= b))
+        if not len(rows):
+            continue
+        part, inside = grid.lookup(np.full(len(rows), b), length[rows])
+        rows, part = rows[inside], part[inside]
+        got[rows] = part * batch[rows] / b
+        ok[rows] = True
+        todo[rows] = False
+    return got, ok
+
+
+def _layouts(columns: np.ndarray, usable: np.ndarray):
+    """Each distinct integral row of ``columns`` (layout numbers: heads, dims, bytes) among
+    the ``usable`` rows, with the mask of the rows that have it."""
+    integral = usable & np.all((columns == np.round(columns)) & (columns > 0), axis=1)
+    if not integral.any():
+        return
+    layouts, codes = np.unique(columns[integral].astype(np.int64), axis=0, return_inverse=True)
+    where = np.flatnonzero(integral)
+    for i, layout in enumerate(layouts):
+        rows = np.zeros(len(columns), dtype=bool)
+        rows[where[codes.reshape(-1) == i]] = True
+        yield tuple(int(v) for v in layout), rows
+
+
+def _serving_attention(grids: str, dims: tuple[int, ...] | None = None):
+    """Lookup of a serving attention table: shape (batch, length, floor seconds, *layout,
+    cache bytes); ``dims``: the only head dimensions the table measured (MLA: DeepSeek-V3's),
+    which the layout's middle entries must equal (they are not part of the table's key). A
+    time below the floor (the kernel's operands at the peak HBM bandwidth: A100's decode
+    table holds a few such points, up to 1.7x faster than its memory) is taken at the floor."""
+
+    def lookup(shape: np.ndarray, tables: MeasuredTables):
+        batch, length, floor = shape[:, 0], shape[:, 1], shape[:, 2]
+        layout = shape[:, 3:]
+        out = np.full(len(shape), np.nan)
+        inside = np.zeros(len(shape), dtype=bool)
+        for key, rows in _layouts(layout, np.ones(len(shape), dtype=bool)):
+            if dims is not None:
+                if key[1:-1] != dims:
+                    continue
+                key = (key[0], key[-1])
+            grid = getattr(tables, grids).get(key)
+            if grid is not None:
+                got, ok = _batched(grid, batch[rows], length[rows])
+                out[rows], inside[rows] = np.maximum(got, floor[rows]), ok
+        return out, inside
+
+    return lookup
+
+
+def _collective_grids(kind: str, gpus: int, tables: MeasuredTables) -> list:
+    if kind == "engine_all_reduce":
+        grids = [tables.nccl.get(("all_reduce", gpus)), tables.custom_all_reduce.get(gpus)]
+    else:
+        grids = [tables.nccl.get((kind, gpus))]
+    return [g for g in grids if g is not None]
+
+
 def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: MeasuredTables):
     """(seconds, timed with a measurement, timed wholly by one): inside one domain the
-    measured collective; across domains the alpha-beta time with its intra-domain part
-    replaced by the measured one (counted as roofline in ``measured_share``)."""
+    measured collective (the fastest of its tables); across domains the alpha-beta time with
+    its intra-domain part replaced by the measured one (counted as roofline in
+    ``measured_share``)."""
     size, n_in, n_out, intra = shape.T
     out = np.full(len(shape), np.nan)
     inside = np.zeros(len(shape), dtype=bool)
     for gpus in (2, 4, 8):
-        grid = tables.nccl.get((kind, gpus))
         rows = np.abs(n_in - gpus) < 1e-9
-        if grid is None or not rows.any():
+        if not rows.any():
             continue
-        lo, hi = grid.axes[0][0], grid.axes[0][-1]
-        got, ok = grid.lookup(np.clip(size[rows], lo, hi))
-        out[rows] = got * np.maximum(1.0, size[rows] / hi)
-        inside[rows] = ok
+        for grid in _collective_grids(kind, gpus, tables):
+            lo, hi = grid.axes[0][0], grid.axes[0][-1]
+            got, ok = grid.lookup(np.clip(size[rows], lo, hi))
+            got = got * np.maximum(1.0, size[rows] / hi)
+            best = out[rows]
+            faster = ok & ~(best <= got)  # NaN (nothing yet) is never faster
+            best[faster] = got[faster]
+            out[rows] = best
+            inside[rows] |= ok
     one_domain = np.abs(n_out - 1.0) < 1e-9
     spans = inside & ~one_domain
     out[spans] = np.maximum(roofline[spans] - intra[spans] + out[spans], roofline[spans] * 0.0)
     return out, inside, inside & one_domain
+
+
+LOOKUPS = {
+    "gemm": _gemm,
+    "attention": _attention,
+    "context_attention": _serving_attention("context"),
+    "generation_attention": _serving_attention("generation"),
+    "context_mla": _serving_attention("context_mla", (192, 128)),
+    "generation_mla": _serving_attention("generation_mla", (576, 512)),
+}
+"""Compute-kernel tables by :attr:`~stage_dse.cost.time.Kernel.table` (the rest are
+collectives)."""

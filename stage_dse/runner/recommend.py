@@ -20,6 +20,11 @@ costed with the serving model and sized to the target rate:
 The answer is the qualifying candidate with the fewest GPUs (then the most output tokens/s per
 GPU), aggregated and disaggregated; when nothing qualifies, the candidate that misses by the
 least (the largest ratio of a latency to its target) and by how much.
+
+``timing="measured"`` costs every candidate with measured kernel times (both pools' GPUs on
+their table sets, :func:`stage_dse.runner.serving.serving_timing`); every candidate row says
+its ``timing`` and ``measured_share`` (aggregated: of the mean engine step; disaggregated: of a
+request's time, :mod:`stage_dse.cost.disagg`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.disagg import disaggregated
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
-from stage_dse.runner.serving import serving_row
+from stage_dse.runner.serving import measured_step_share, serving_row, serving_timing
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.serving import ServingSpec
 
@@ -89,10 +94,12 @@ def recommend(
     tps: tuple[int, ...] = (1, 2, 4, 8),
     prefill_hardware: HardwareSpec | None = None,
     kv_link: str = "nic",
+    timing: str = "roofline",
 ) -> Recommendation:
     """See the module docstring. ``prefill_hardware``: the GPU of the disaggregated prefill
     pool (default ``hardware``); ``kv_link``: ``nic`` (scale-out network) or ``nvlink`` (both
-    pools in one NVLink domain) for the KV transfer."""
+    pools in one NVLink domain) for the KV transfer; ``timing``: ``roofline`` or
+    ``measured``."""
     if kv_link not in ("nic", "nvlink"):
         raise ConfigError(f"serving.kv_link={kv_link!r} is not one of: nic, nvlink")
     for name, value in (
@@ -103,6 +110,8 @@ def recommend(
         if not value > 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
     target = float(target_requests_per_s)
+    pre_hw = prefill_hardware or hardware
+    measured = serving_timing(timing, (hardware, pre_hw))
     tps = tuple(t for t in tps if t <= cluster.gpus_per_node)
     # aggregated: every (tp, R, C) with continuous batching
     table, keys, meta = _rows(model, hardware, cluster, tps, (1,), prompt, output_tokens)
@@ -111,9 +120,8 @@ def recommend(
     grid = list(itertools.product(range(len(table)), RUNNING, BUDGETS))
     big = table.iloc[[i for i, _, _ in grid]].reset_index(drop=True)
     big_keys = [keys[i] for i, _, _ in grid]
-    cb = continuous_batching(
-        big, big_keys, np.array([r for _, r, _ in grid]), np.array([c for _, _, c in grid])
-    )
+    limits = (np.array([r for _, r, _ in grid]), np.array([c for _, _, c in grid]))
+    cb = continuous_batching(big, big_keys, *limits, timing=measured)
     agg = pd.DataFrame(
         {
             "tp": [meta[i][0] for i, _, _ in grid],
@@ -122,6 +130,9 @@ def recommend(
             "ttft_s": cb["cb_ttft_s"],
             "tpot_s": cb["cb_tpot_s"],
             "replica_requests_per_s": cb["cb_requests_per_s"],
+            "measured_share": measured_step_share(
+                big, big_keys, measured, cb["cb_step_s"], *limits
+            ),
         }
     )
     agg["replica_gpus"] = agg["tp"]
@@ -136,12 +147,12 @@ def recommend(
     agg["kind"] = "aggregated"
 
     # disaggregated: prefill replicas (tp, batch 1) and decode replicas (tp, batch R)
-    pre_hw = prefill_hardware or hardware
     pre_t, pre_k, pre_m = _rows(model, pre_hw, cluster, tps, (1,), prompt, output_tokens)
     dec_t, dec_k, dec_m = _rows(
         model, hardware, cluster, tps, DECODE_BATCHES, prompt, output_tokens
     )
-    pre, dec = evaluate_serving_table(pre_t, pre_k), evaluate_serving_table(dec_t, dec_k)
+    pre = evaluate_serving_table(pre_t, pre_k, timing=measured)
+    dec = evaluate_serving_table(dec_t, dec_k, timing=measured)
     dec_fits = (dec["serve_mem_headroom_bytes"] >= 0).to_numpy()
     pairs = [(i, j) for i in range(len(pre)) for j in range(len(dec)) if dec_fits[j]]
     p_idx, d_idx = [i for i, _ in pairs], [j for _, j in pairs]
@@ -166,6 +177,7 @@ def recommend(
             "decode_batch": [dec_m[j][1] for j in d_idx],
             "ttft_s": per["dis_ttft_s"],
             "tpot_s": per["dis_tpot_s"],
+            "measured_share": per["dis_measured_share"],
         }
     )
     load_p = sla_load(
@@ -183,6 +195,7 @@ def recommend(
     dis["tokens_per_s_per_gpu"] = target * output_tokens / dis["gpus"]
     dis["kind"] = "disaggregated"
     dis["prefill_hardware"] = pre_hw.name
+    agg["timing"] = dis["timing"] = measured.source
 
     order = ["gpus", "tokens_per_s_per_gpu"]
     good_agg = agg[agg["gpus"].notna()].sort_values(order, ascending=[True, False])

@@ -5,6 +5,12 @@ one and evaluated together (one compiled serving program per family). Rows land 
 results dataset as training rows, with ``workload == "serving"``: the serving columns
 (``ttft_s``, ``tpot_s``, ``decode_tokens_per_s_per_gpu``, ``kv_capacity_seqs``, ...) are set,
 memory columns hold the serving footprint, training-only columns are null.
+
+``timing="measured"`` evaluates every row with measured kernel times (:mod:`stage_dse.kernels`,
+each hardware on its preset's table set; a part without tables keeps the roofline) and stores
+``timing`` and ``measured_share``: the share of a static row's request time
+(``TTFT + (output_tokens - 1) x TPOT``) or of a continuous-batching row's mean engine step
+that came from tables (the relative derivative along the measured kernels' times).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import pandas as pd
 
 from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.columns import SERVING_COLUMNS
-from stage_dse.cost.serving import evaluate_serving_table, serving_key
+from stage_dse.cost.serving import ServingTiming, evaluate_serving_table, serving_key
 from stage_dse.cost.table import config_row
 from stage_dse.errors import ConfigError
 from stage_dse.results.schema import config_hash
@@ -29,23 +35,72 @@ from stage_dse.runner.sweep import SweepReport
 from stage_dse.spec.serving import ServingSpec, serving_plan
 from stage_dse.spec.sweep import ServingSweepSpec, divisors
 
-__all__ = ["ServingSweepSpec", "run_serving", "serving_row", "serving_top_table"]
+__all__ = [
+    "ServingSweepSpec",
+    "measured_step_share",
+    "run_serving",
+    "serving_row",
+    "serving_timing",
+    "serving_top_table",
+]
 
 GIB = 2.0**30
+EPS = 1e-4
+"""Relative change of the measured kernels' times behind a continuous-batching row's
+``measured_share`` (its step composes several evaluations; open-loop rates are solved
+iteratively, so the step is smooth but not linear in them)."""
+
+
+def serving_timing(timing: str, hardware) -> ServingTiming:
+    """The serving timing of a sweep over ``hardware`` (:class:`~stage_dse.spec.HardwareSpec`
+    objects): ``measured`` on each part's table set (``hardware.measured_gpu``, else its
+    preset's), loaded now so that a missing extra or an unknown table set is a one-line
+    error before anything is evaluated."""
+    if timing not in ("roofline", "measured"):
+        raise ConfigError(f"timing={timing!r} is not one of: roofline, measured")
+    if timing == "roofline":
+        return ServingTiming()
+    from stage_dse.kernels.tables import load_tables, table_set
+
+    gpus = {hw.name: table_set(hw) for hw in hardware}
+    for gpu in set(gpus.values()) - {None}:
+        load_tables(gpu)
+    return ServingTiming("measured", gpus)
+
+
+def measured_step_share(
+    table: pd.DataFrame, keys: list, timing: ServingTiming, step: pd.Series, *args, **kwargs
+) -> np.ndarray:
+    """Share of continuous-batching steps ``step`` (``cb_step_s`` of
+    ``continuous_batching(table, keys, *args, timing=timing, **kwargs)``) that measured
+    kernels make up: the relative change of the step when they take ``1 + EPS`` times as
+    long (0 under the roofline)."""
+    if timing.source != "measured":
+        return np.zeros(len(table))
+    bumped = ServingTiming(timing.source, timing.measured_gpu, EPS)
+    again = continuous_batching(table, keys, *args, timing=bumped, **kwargs)["cb_step_s"]
+    share = (again.to_numpy() - step.to_numpy()) / (EPS * step.to_numpy())
+    return np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
 
 
 def run_serving(
-    spec: ServingSweepSpec, store: ResultStore, log: Callable[[str], None] = print
+    spec: ServingSweepSpec,
+    store: ResultStore,
+    log: Callable[[str], None] = print,
+    timing: str = "roofline",
 ) -> SweepReport:
+    """Evaluate and store a serving sweep; ``timing``: ``roofline`` or ``measured`` (see the
+    module docstring)."""
+    measured = serving_timing(timing, spec.hardware)
     replaced = store.prepare(log)
     try:
         store.check_workload("serving")
-        return _run_serving(spec, store, log, replaced)
+        return _run_serving(spec, store, log, replaced, measured)
     finally:
         store.release()
 
 
-def _run_serving(spec, store, log, replaced) -> SweepReport:
+def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepReport:
     t0 = time.perf_counter()
     report = SweepReport(name=spec.name, run_id=new_run_id())
     if replaced:
@@ -89,6 +144,11 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "draft_tokens": float(spec.draft_tokens) if continuous else np.nan,
                 "acceptance": spec.acceptance if continuous else np.nan,
                 "request_mix": mix_label,
+                "engine": spec.engine.name,
+                "step_overhead_s": spec.engine.step_overhead_s,
+                "request_overhead_s": spec.engine.request_overhead_s,
+                "clients": float(spec.clients) if continuous else np.nan,
+                "burst": float(spec.burst) if continuous else np.nan,
             }
         )
         rows.append(row)
@@ -106,6 +166,7 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
     )
     if rows:
         table = pd.DataFrame(rows)
+        table["timing"] = timing.source  # measured rows are other results of a configuration
         table["config_hash"] = config_hash(table).to_numpy()
         done = store.hashes()
         keep = ~table["config_hash"].isin(done).to_numpy()
@@ -113,9 +174,11 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
         table = table[keep].reset_index(drop=True)
         keys = [k for k, kept in zip(keys, keep) if kept]
         if len(table):
-            costs = evaluate_serving_table(table, keys)
+            static = costs = evaluate_serving_table(table, keys, timing=timing)
             if continuous:
-                costs = _continuous(table, keys, costs, mix or None)
+                costs = _continuous(table, keys, costs, mix or None, timing)
+            else:
+                costs = _engine_static(table, costs)
             out = finalize_rows(table, None, spec.name, report.run_id)
             for src, dst in SERVING_COLUMNS.items():
                 if src in costs:
@@ -127,8 +190,15 @@ def _run_serving(spec, store, log, replaced) -> SweepReport:
                 "draft_tokens",
                 "acceptance",
                 "request_mix",
+                "engine",
+                "clients",
+                "burst",
             ):
                 out[col] = table[col].to_numpy()
+            if continuous:
+                out["measured_share"] = costs["measured_share"].to_numpy()
+            else:
+                out["measured_share"] = _static_share(table, static, costs)
             out["mem_weights_bytes"] = out["serve_weights_bytes"]
             out["mem_total_bytes"] = out["serve_mem_total_bytes"]
             out["mem_headroom_bytes"] = out["serve_mem_headroom_bytes"]
@@ -163,21 +233,30 @@ def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int
     return row, key
 
 
-def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame, mix=None) -> pd.DataFrame:
+def _continuous(
+    table: pd.DataFrame,
+    keys: list,
+    static: pd.DataFrame,
+    mix=None,
+    timing: ServingTiming | None = None,
+) -> pd.DataFrame:
     """Serving outputs of continuous-batching rows: the steady state replaces the static
     latencies and throughput; memory holds the KV cache of the requests that actually run
-    (at most the capacity)."""
-    cb = continuous_batching(
-        table,
-        keys,
+    (at most the capacity); ``measured_share`` is that of the mean engine step."""
+    timing = timing or ServingTiming()
+    args = (
         table["micro_batch"].to_numpy(float),
         table["prefill_budget"].to_numpy(float),
         table["arrival_rate"].to_numpy(float),
         table["draft_tokens"].to_numpy(float),
         table["acceptance"].to_numpy(float),
-        mix=mix,
     )
+    loads = {"clients": table["clients"].to_numpy(float), "burst": table["burst"].to_numpy(float)}
+    cb = continuous_batching(table, keys, *args, mix=mix, timing=timing, **loads)
     out = static.copy()
+    out["measured_share"] = measured_step_share(
+        table, keys, timing, cb["cb_step_s"], *args, mix=mix, **loads
+    )
     per_seq = static["serve_kv_cache_bytes"] / table["micro_batch"]
     running = cb["cb_running"].fillna(0.0)
     out["serve_kv_cache_bytes"] = running * per_seq
@@ -196,6 +275,38 @@ def _continuous(table: pd.DataFrame, keys: list, static: pd.DataFrame, mix=None)
     out["serve_kv_capacity_seqs"] = cb["cb_kv_capacity_seqs"]
     out["cb_requests_per_s"] = cb["cb_requests_per_s"]
     out["cb_tokens_per_s_per_user"] = cb["cb_tokens_per_s_per_user"]
+    out["cb_total_tokens_per_s_per_gpu"] = cb["cb_total_tokens_per_s_per_gpu"]
+    return out
+
+
+def _static_share(table: pd.DataFrame, kernels: pd.DataFrame, final: pd.DataFrame) -> np.ndarray:
+    """Measured share of a static row's request time ``TTFT + (output_tokens - 1) x TPOT``:
+    the serving program's (``kernels``) over the final figures, which add the engine's costs
+    (not kernels, not measured)."""
+    if "serve_measured_share" not in kernels:
+        return np.zeros(len(table))
+    after = table["output_tokens"].to_numpy(float) - 1
+
+    def request_s(c: pd.DataFrame) -> np.ndarray:
+        return c["serve_ttft_s"].to_numpy() + after * c["serve_tpot_s"].to_numpy()
+
+    return kernels["serve_measured_share"].to_numpy() * request_s(kernels) / request_s(final)
+
+
+def _engine_static(table: pd.DataFrame, costs: pd.DataFrame) -> pd.DataFrame:
+    """Static rows on an engine: its per-iteration and per-request costs on the prefill and
+    on every decode iteration of the batch."""
+    over = table["step_overhead_s"].to_numpy(float)
+    per_request = table["request_overhead_s"].to_numpy(float) * table["micro_batch"].to_numpy(float)
+    if not np.any(over + per_request):
+        return costs
+    out = costs.copy()
+    tpot = costs["serve_tpot_s"].to_numpy() + over + per_request
+    out["serve_ttft_s"] = costs["serve_ttft_s"].to_numpy() + over + per_request
+    out["serve_tokens_per_s_per_gpu"] = (
+        costs["serve_tokens_per_s_per_gpu"].to_numpy() * costs["serve_tpot_s"].to_numpy() / tpot
+    )
+    out["serve_tpot_s"] = tpot
     return out
 
 
