@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -204,6 +205,7 @@ def main(argv: list[str]) -> int:
             res["id"] = job["id"]
             res["cpu_s"] = time.process_time() - t0
             out["results"].append(res)
+        shutil.rmtree(peer.tmp, ignore_errors=True)
     with open(dst, "w") as fh:
         json.dump(out, fh)
     return 0

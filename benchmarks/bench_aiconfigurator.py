@@ -71,6 +71,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -475,6 +476,14 @@ def print_summary(title: str, rows: list[tuple], width: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    work = Path(tempfile.mkdtemp(prefix="stage_dse_aic_"))
+    try:
+        return run(argv, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(argv: list[str] | None, work: Path) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--aic-python", help="the interpreter that has aiconfigurator installed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="per-case .parquet or .csv")
@@ -497,7 +506,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_aiconfigurator: {why}")
         print("skipped: AIConfigurator is not available")
         return 0
-    work = Path(tempfile.mkdtemp(prefix="stage_dse_aic_"))
     try:
         info, info_cpu, _ = call_driver(python, {"op": "info"}, work)
     except (RuntimeError, OSError) as exc:
