@@ -306,3 +306,22 @@ def test_cli_notes_a_part_without_tables(tmp_path):
     assert "note: timing=measured: no measured kernel tables for mi300x" in proc.stdout
     df = pd.read_parquet(tmp_path / "default_serving")
     assert set(df["timing"]) == {"measured"} and (df["measured_share"] == 0).all()
+
+
+@needs_tables
+def test_validation_serving_cases_run_on_measured_kernels(tmp_path, capsys):
+    from stage_dse.cli.validate import main
+
+    out = tmp_path / "cases.parquet"
+    assert main(["--quiet", "--kind", "serving", "--source", "trtllm_v061", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "serving programs have no measured path" not in text
+    lines = {
+        t: next(x for x in text.splitlines() if x.startswith(f"serving timing={t} "))
+        for t in ("roofline", "measured")
+    }
+    assert lines["roofline"].split()[2:] != lines["measured"].split()[2:]
+    res = pd.read_parquet(out)
+    assert (res["timing"] == res["timing_run"]).all()
+    ok = res[res["status"] == "ok"].pivot(index="case", columns="timing", values="predicted")
+    assert len(ok) and not np.allclose(ok["roofline"], ok["measured"], rtol=1e-3)

@@ -213,14 +213,11 @@ def _print_notes(results: pd.DataFrame, timings) -> None:
         from stage_dse.config import load_hardware
         from stage_dse.kernels.tables import table_set
 
-        training = res[(res["corpus"] == "training") & res["hardware"].notna()]
-        for hw in sorted(set(training["hardware"])):
+        have = res[res["hardware"].notna()] if "hardware" in res else res.iloc[:0]
+        for hw in sorted(set(have["hardware"])):
             if table_set(load_hardware(str(hw))) is None:
                 print(f"note: timing=measured: no measured kernel tables for {hw}; its cases "
                       "use the roofline")  # fmt: skip
-        if (res["corpus"] == "serving").any():
-            print("note: timing=measured: serving programs have no measured path yet; serving "
-                  "cases use the roofline under both timings")  # fmt: skip
 
 
 def _print_fit(fits: dict) -> None:

@@ -26,15 +26,17 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib.resources import files
 
 import numpy as np
 import pandas as pd
 import yaml
 
+from stage_dse.cost.serving import ServingTiming
 from stage_dse.errors import ConfigError
 from stage_dse.validation.corpus import Case
-from stage_dse.validation.serving import Prepared, evaluate_serving, prepare
+from stage_dse.validation.serving import VARIANT, Prepared, evaluate_serving, prepare
 from stage_dse.validation.training import build_table, evaluate_training
 
 __all__ = ["FitResult", "Parameter", "Problem", "fit", "leave_one_source_out", "load_parameters"]
@@ -116,7 +118,7 @@ class Problem:
 
     def retimed(self, timing: str) -> Problem:
         """The same preparation under another timing source (candidate plans and serving rows
-        do not depend on it)."""
+        do not depend on it; both kinds of case are evaluated under it)."""
         new = copy.copy(self)
         new.timing = timing
         new._subs = {}
@@ -133,13 +135,14 @@ class Problem:
         new.table = self.table[self.table["case"].isin(ids)] if len(self.table) else self.table
         new.info = {k: v for k, v in self.info.items() if k in ids}
         old = self.prepared
-        keep = [cid for cid in old.index if cid in ids]
+        keep = [cid for cid in old.index if cid.split(VARIANT)[0] in ids]
         rows = [old.index[cid] for cid in keep]
         new.prepared = Prepared(
             old.table.iloc[rows].reset_index(drop=True) if rows else old.table.iloc[:0],
             [old.keys[i] for i in rows],
             {cid: j for j, cid in enumerate(keep)},
             {k: v for k, v in old.unexpressible.items() if k in ids},
+            {k: v for k, v in old.variants.items() if k in ids},
         )
         new._subs = {}
         return new
@@ -171,12 +174,20 @@ class Problem:
             parts.append(evaluate_training(self.training, self.timing, t, self.info))
         if self.serving:
             s = self._apply(self.prepared.table, params, theta)
-            parts.append(evaluate_serving(self.serving, self.prepared, s))
+            parts.append(evaluate_serving(self.serving, self.prepared, s, self.serving_timing()))
         out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
         for col in RESULT_COLUMNS:  # a set of cases none of which is expressible has none
             if col not in out:
                 out[col] = np.nan
         return out
+
+    def serving_timing(self) -> ServingTiming:
+        """The serving cases' timing: under ``measured``, each hardware preset on its own
+        table set (``hardware.measured_gpu``), as the training cases are."""
+        if self.timing != "measured" or not len(self.prepared.table):
+            return ServingTiming(self.timing)
+        names = tuple(sorted(set(self.prepared.table["hardware"].astype(str))))
+        return ServingTiming("measured", _table_sets(names))
 
     def start(self, p: Parameter) -> float | None:
         """The presets' value of ``p`` (from the first row it applies to)."""
@@ -192,8 +203,16 @@ class Problem:
             ids |= set(self.table.loc[p.mask(self.table), "case"])
         if len(self.prepared.table):
             rows = set(np.flatnonzero(p.mask(self.prepared.table)))
-            ids |= {cid for cid, i in self.prepared.index.items() if i in rows}
+            ids |= {cid.split(VARIANT)[0] for cid, i in self.prepared.index.items() if i in rows}
         return [c for c in self.cases if c.id in ids]
+
+
+@lru_cache(maxsize=16)
+def _table_sets(hardware: tuple[str, ...]) -> dict[str, str | None]:
+    from stage_dse.config import load_hardware
+    from stage_dse.kernels.tables import table_set
+
+    return {name: table_set(load_hardware(name)) for name in hardware}
 
 
 def loss(results: pd.DataFrame, exclude: str | None = None) -> float:

@@ -12,10 +12,16 @@ evaluated together. Modes:
   step;
 * ``online_rate``: the same at Poisson arrivals of ``request_rate`` requests/s, spread over the
   replicas on ``n_gpus``; throughput is what the replicas complete;
-* ``burst``: ``num_requests`` sent at once (an infinite request rate): throughput and TPOT of
-  the saturated engine; the TTFT of a burst (its queueing) is not modelled;
-* ``closed_loop`` (N concurrent clients) and ``other`` deployments (``mode_note``: prefill- or
-  decode-only pools, production averages) are not modelled and are reported as such.
+* ``closed_loop``: ``concurrency`` clients, each sending its next request when the last one
+  completes (benchmark clients' ``--max-concurrency``), spread over the replicas;
+* ``burst``: ``num_requests`` sent at once (an infinite request rate): the fill, saturated and
+  drain phases of that many requests;
+* ``other`` deployments (``mode_note``: prefill- or decode-only pools, production averages) are
+  not modelled and are reported as such.
+
+The engine (``engine``: ``trtllm``, ``vllm``, ``sglang``; :mod:`stage_dse.spec.engine`) adds its
+per-iteration and per-request costs to every step, static or continuous, and supplies its
+documented limits where a record leaves ``max_batch`` or ``max_num_tokens`` unstated.
 
 Errors are ``predicted / published - 1`` of the published metric (throughput: positive means
 optimistic; latencies: negative means optimistic).
@@ -23,15 +29,17 @@ optimistic; latencies: negative means optimistic).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from stage_dse.config import load_cluster, load_hardware
+from stage_dse.config import list_presets, load_cluster, load_engine, load_hardware
 from stage_dse.cost.batching import continuous_batching
-from stage_dse.cost.serving import evaluate_serving_table
+from stage_dse.cost.serving import ServingTiming, evaluate_serving_table
 from stage_dse.errors import ConfigError
+from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.serving import ServingSpec
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -50,14 +58,11 @@ def _row(case: Case):
     f = case.fields
     check_expressible(case)
     for key in ("weights", "kv"):
-        if f.get(key, "bf16") not in ("bf16", "fp16", "fp8"):
-            raise Unexpressible(f"{key} dtype {f[key]!r} (bf16, fp16 or fp8)")
-    if f["mode"] == "closed_loop":
-        raise Unexpressible("closed-loop load (N concurrent clients) is not modelled")
+        valid = ("bf16", "fp16", "fp8") + (("fp4", "nvfp4", "mxfp4") if key == "weights" else ())
+        if f.get(key, "bf16") not in valid:
+            raise Unexpressible(f"{key} dtype {f[key]!r} ({', '.join(valid)})")
     if f["mode"] == "other":
         raise Unexpressible(f"deployment not modelled: {f['mode_note']}")
-    if f["mode"] == "burst" and case.target_kind in ("ttft_ms", "e2e_latency_s"):
-        raise Unexpressible("queueing of a burst of requests sent at once (TTFT) is not modelled")
     if case.target.get("statistic") in ("p90", "p95", "p99"):
         raise Unexpressible(f"{case.target['statistic']} latency (the model gives means)")
     model = case_model(case)
@@ -66,13 +71,17 @@ def _row(case: Case):
     if f["n_gpus"] % (tp * pp * ep):
         raise Unexpressible(f"n_gpus({f['n_gpus']}) is not a multiple of tp*pp*ep({tp * pp * ep})")
     cluster = load_cluster(f["cluster"], num_gpus=max(f["n_gpus"], tp * pp * ep))
-    continuous = f["mode"] in ("inflight_max", "online_rate", "burst")
-    if continuous:
+    continuous = f["mode"] in ("inflight_max", "online_rate", "burst", "closed_loop")
+    engine = case_engine(case)
+    if continuous and pp > 1:
+        raise Unexpressible(f"continuous batching over pp({pp}) pipeline stages is not modelled")
+    if continuous and engine.name == "none":
         for key in ("max_batch", "max_num_tokens"):
             if key not in f:
                 raise CorpusError(
                     f"{case.source.file}: run {case.id}: mode={f['mode']} needs {key} (the "
-                    "engine's limit, stated or its documented default listed in unstated)"
+                    "engine's limit, stated or its documented default listed in unstated) "
+                    "or an engine whose default applies"
                 )
     # continuous modes: one running request per attention rank binds the symbols (the engine's
     # running batch is the steady state's)
@@ -90,7 +99,28 @@ def _row(case: Case):
         row, key = serving_row(model, serving, hw, cluster, tp, pp, ep)
     except ConfigError as exc:
         raise Unexpressible(str(exc)) from None
+    row.update(
+        {
+            "engine": engine.name,
+            "step_overhead_s": engine.step_overhead_s,
+            "request_overhead_s": engine.request_overhead_s,
+        }
+    )
     return row, key
+
+
+def case_engine(case: Case) -> EngineSpec:
+    """The engine profile a case ran on (``none`` where the record names none we have)."""
+    name = case.fields.get("engine", "")
+    return load_engine(name) if name in list_presets("engine") else load_engine("none")
+
+
+def _limits(f: dict, engine: EngineSpec) -> tuple[float, float]:
+    """Running-request and token limits: the record's, else the engine's defaults."""
+    return (
+        float(f.get("max_batch", engine.max_running)),
+        float(f.get("max_num_tokens", engine.prefill_budget)),
+    )
 
 
 @dataclass
@@ -100,57 +130,112 @@ class Prepared:
     table: pd.DataFrame
     keys: list
     index: dict[str, int]
+    """Row of each case (of each variant, ``<case>|kv=fp8``, where an unstated choice
+    ranges over candidates)."""
     unexpressible: dict[str, str]
+    variants: dict[str, tuple[Case, ...]] = field(default_factory=dict)
+    """The variants of cases with an unstated serving choice."""
+
+
+VARIANT = "|"
+
+
+def _variants(case: Case) -> tuple[Case, ...]:
+    """The case, or one copy per candidate of an unstated KV-cache dtype: the record's
+    ``candidates``, else bf16 and, beside FP8 or FP4 weights (a quantized checkpoint, whose
+    engine may quantize the cache too), fp8. Like unstated plan choices in training, the
+    fastest that fits is taken (a published benchmark runs the tuned configuration)."""
+    f = case.fields
+    if "kv" in f or "kv" not in case.unstated:
+        return (case,)
+    kvs = case.candidates.get("kv") or (
+        ("bf16", "fp8") if f.get("weights", "bf16") not in ("bf16", "fp16") else ("bf16",)
+    )
+    if len(kvs) == 1:
+        return (dataclasses.replace(case, fields={**f, "kv": kvs[0]}),)
+    return tuple(
+        dataclasses.replace(case, id=f"{case.id}{VARIANT}kv={kv}", fields={**f, "kv": kv})
+        for kv in kvs
+    )
 
 
 def prepare(cases: list[Case]) -> Prepared:
-    rows, keys, index, out = [], [], {}, {}
+    rows, keys, index, out, variants = [], [], {}, {}, {}
     for case in cases:
-        try:
-            row, key = _row(case)
-        except Unexpressible as exc:
-            out[case.id] = str(exc)
-            continue
-        index[case.id] = len(rows)
-        rows.append(row)
-        keys.append(key)
-    return Prepared(pd.DataFrame(rows), keys, index, out)
+        options = _variants(case)
+        if len(options) > 1:
+            variants[case.id] = options
+        reasons = []
+        for variant in options:
+            try:
+                row, key = _row(variant)
+            except Unexpressible as exc:
+                reasons.append(str(exc))
+                continue
+            index[variant.id] = len(rows)
+            rows.append(row)
+            keys.append(key)
+        if len(reasons) == len(options):
+            out[case.id] = reasons[0]
+    return Prepared(pd.DataFrame(rows), keys, index, out, variants)
 
 
 def evaluate_serving(
-    cases: list[Case], prepared: Prepared | None = None, table: pd.DataFrame | None = None
+    cases: list[Case],
+    prepared: Prepared | None = None,
+    table: pd.DataFrame | None = None,
+    timing: str | ServingTiming = "roofline",
 ) -> pd.DataFrame:
     """One row per case: published and predicted metric, signed error (%), ``status``
-    (``table``: the prepared table with some symbol columns changed, as the fit does)."""
+    (``table``: the prepared table with some symbol columns changed, as the fit does;
+    ``timing``: the kernel times, :func:`~stage_dse.cost.serving.evaluate_serving_table`)."""
     prepared = prepare(cases) if prepared is None else prepared
+    asked = cases
+    cases = [
+        v
+        for c in cases
+        for v in ([x for x in prepared.variants.get(c.id, ()) if x.id in prepared.index] or [c])
+    ]
     table = prepared.table if table is None else table
     keys, index = prepared.keys, prepared.index
     out = {
         cid: {"status": "unexpressible", "reason": r} for cid, r in prepared.unexpressible.items()
     }
     if len(table):
-        static = evaluate_serving_table(table, keys)
+        static = evaluate_serving_table(table, keys, timing=timing)
         by_id = {c.id: c for c in cases}
         cont = [cid for cid in index if by_id[cid].fields["mode"] != "static"]
         cb = None
         if cont:
             sel = [index[cid] for cid in cont]
             f = [by_id[cid].fields for cid in cont]
+            limits = [_limits(x, case_engine(by_id[cid])) for x, cid in zip(f, cont)]
             replicas = [x["n_gpus"] / (x["tp"] * x.get("pp", 1) * x.get("ep", 1)) for x in f]
             rate = [x.get("request_rate", 0.0) / r for x, r in zip(f, replicas)]
+            # clients and bursts over the deployment's replicas
+            users = [
+                x["concurrency"] / r if x["mode"] == "closed_loop" else 0.0
+                for x, r in zip(f, replicas)
+            ]
+            sent = [
+                x["num_requests"] / r if x["mode"] == "burst" else 0.0 for x, r in zip(f, replicas)
+            ]
             sub = table.iloc[sel].reset_index(drop=True)
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
                 # the engine's limit over the replica, per attention rank (ep of them)
-                np.array([x["max_batch"] / x.get("ep", 1) for x in f], dtype=float),
-                np.array([x["max_num_tokens"] for x in f], dtype=float),
+                np.array([m / x.get("ep", 1) for (m, _), x in zip(limits, f)], dtype=float),
+                np.array([c for _, c in limits], dtype=float),
                 np.array(rate, dtype=float),
+                clients=np.maximum(np.round(users), 0.0),
+                burst=np.maximum(np.round(sent), 0.0),
+                timing=timing,
             )
             cb.index = cont
     results = []
     for case in cases:
-        rec = result_base(case, "roofline")
+        rec = result_base(case, ServingTiming.of(timing).source)
         if case.id in out:
             results.append({**rec, **out[case.id]})
             continue
@@ -160,7 +245,11 @@ def evaluate_serving(
         gpus = f["tp"] * f.get("pp", 1) * f.get("ep", 1)
         status, reason = "ok", ""
         if f["mode"] == "static":
-            ttft, tpot = float(s["serve_ttft_s"]), float(s["serve_tpot_s"])
+            # the engine's costs on the prefill iteration and on each decode iteration
+            over = float(table.iloc[i]["step_overhead_s"])
+            per_request = float(table.iloc[i]["request_overhead_s"]) * f["batch"] / f.get("ep", 1)
+            ttft = float(s["serve_ttft_s"]) + over + per_request
+            tpot = float(s["serve_tpot_s"]) + over + per_request
             e2e = ttft + (f["osl"] - 1) * tpot
             out_tok_gpu = f["batch"] * f["osl"] / e2e / gpus
             if s["serve_mem_headroom_bytes"] < 0:
@@ -205,4 +294,24 @@ def evaluate_serving(
                 "workload": f"isl{f['isl']} osl{f['osl']}",
             }
         )
-    return pd.DataFrame(results)
+    return _best_variant(pd.DataFrame(results), asked, prepared)
+
+
+def _best_variant(results: pd.DataFrame, asked: list[Case], prepared: Prepared) -> pd.DataFrame:
+    """One row per asked case: among its variants that fit, the most favourable metric
+    (highest throughput, lowest latency)."""
+    if not prepared.variants or not len(results):
+        return results
+    base = results["case"].str.split(VARIANT, regex=False).str[0]
+    kinds = {c.id: c.target_kind for c in asked}
+    lower = base.map(lambda b: kinds.get(b, "") in LOWER_IS_BETTER).to_numpy()
+    ok = (results["status"] == "ok").to_numpy()
+    score = np.where(lower, 1.0, -1.0) * results.get("predicted", pd.Series(np.nan)).to_numpy(float)
+    score = np.where(ok & np.isfinite(score), score, np.inf)
+    order = np.lexsort((score, base.to_numpy()))
+    best = results.iloc[order].assign(case=base.iloc[order].to_numpy())
+    best = best.drop_duplicates("case", keep="first").set_index("case")
+    return best.loc[[c.id for c in asked]].reset_index()
+
+
+LOWER_IS_BETTER = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_s")
