@@ -64,6 +64,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
                 "moe_ffn_hidden_size": int(row["moe_ffn"]),
                 "num_shared_experts": int(row["shared_experts"]),
                 "first_dense_layers": int(row["dense_layers"]),
+                "moe_layer_interval": int(row["moe_interval"]),
                 "capacity_factor": float(row["capacity_factor"]),
             }
             if bool(row["moe"])

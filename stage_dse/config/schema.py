@@ -59,6 +59,7 @@ class ModelConf:
     moe_ffn_hidden_size: int = 0
     num_shared_experts: int = 0
     first_dense_layers: int = 0
+    moe_layer_interval: int = 1
     capacity_factor: float = 1.0
     q_lora_rank: int = 0
     kv_lora_rank: int = 0

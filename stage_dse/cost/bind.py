@@ -76,6 +76,7 @@ def moe_values(model: ModelSpec) -> dict[str, float]:
         "shared_experts": model.num_shared_experts,
         "capacity_factor": float(model.capacity_factor),
         "dense_layers": model.first_dense_layers,
+        "moe_interval": model.moe_layer_interval,
         "q_lora": model.q_lora_rank or 1,
         "kv_lora": model.kv_lora_rank or 1,
         "rope_dim": model.rope_head_dim or 1,

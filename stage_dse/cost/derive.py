@@ -43,6 +43,7 @@ from stage_dse.cost.recompute import (
 )
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase, Tensor
+from stage_dse.graph.layers import dense_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
 from stage_dse.spec import (
@@ -306,19 +307,21 @@ def _derive(key: CostKey) -> TrainingCosts:
     data = S.dp * S.cp
     expert_data = S.dp / S.ep * S.cp
     zero = key.graph.zero_stage
-    # layers: dense ones (a mixture-of-experts model may start with them) sit on the first stage
-    dense_total = S.dense_layers if dns is not None else sp.Integer(0)
-    block_total = L - dense_total
-    dense_first = _min(dense_total, first_layers) if dns is not None else sp.Integer(0)
-    block_first = first_layers - dense_first
-    # (section, count) of the whole model, the first stage and the last stage; middle stages
-    # are counted as blocks (leading dense layers beyond the first stage are lighter)
-    whole = [(emb, 1), (blk, block_total), (head, 1)]
-    first_parts = [(emb, 1), (blk, block_first), (head, single)]
-    last_parts = [(blk, last_layers), (head, 1)]
-    if dns is not None:
-        whole.insert(1, (dns, dense_total))
-        first_parts.insert(1, (dns, dense_first))
+
+    # layers: a mixture-of-experts model may have dense-MLP ones, leading (on the first stage)
+    # or interleaved (on every stage), as dense_layers_among counts them; middle stages hold
+    # the most MoE layers their length allows (leading dense layers beyond the first stage
+    # are lighter)
+    def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionCosts, sp.Expr]]:
+        if dns is None:
+            return [(blk, layers)]
+        dense = dense_layers_among(layers, where)
+        return [(dns, dense), (blk, layers - dense)]
+
+    # (section, count) of the whole model, the first stage and the last stage
+    whole = [(emb, 1), *layer_parts(L, "whole"), (head, 1)]
+    first_parts = [(emb, 1), *layer_parts(first_layers, "first"), (head, single)]
+    last_parts = [*layer_parts(last_layers, "last"), (head, 1)]
 
     def total(parts, attr: str, sub=None) -> sp.Expr:
         out = []
@@ -417,7 +420,8 @@ def _derive(key: CostKey) -> TrainingCosts:
         ),
     ]
     for index, layers in ((S.mid_stage, S.mid_layers), (S.act_stage, S.act_layers)):
-        candidates.append((index, has_mid, stage_memory([(blk, layers)], 0, 0, index, 0)))
+        mid_parts = layer_parts(layers, "mid")
+        candidates.append((index, has_mid, stage_memory(mid_parts, 0, 0, index, 0)))
     totals = [on * _sum(parts.values()) for _, on, parts in candidates]
     memory = {}
     for k in candidates[0][2]:

@@ -133,7 +133,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "dropout": model.dropout,
         "moe": model.is_moe,
         "has_shared_experts": model.num_shared_experts > 0,
-        "has_dense_layers": model.is_moe and model.first_dense_layers > 0,
+        "has_dense_layers": model.has_dense_layers,
         "mla": model.is_mla,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,

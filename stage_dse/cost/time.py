@@ -94,6 +94,7 @@ from stage_dse.cost.recompute import is_linear, recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
+from stage_dse.graph.layers import dense_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
@@ -455,7 +456,14 @@ def _derive_time(key: CostKey, measured: bool):
     pp, v = S.pp, S.virtual_stages
     single = _max(0, 2 - pp)
     has_mid = _min(1, _max(0, pp - 2))
-    dense_first = _min(S.dense_layers, S.first_layers) if dns is not None else sp.Integer(0)
+
+    def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionTime, sp.Expr]]:
+        """Dense-MLP and MoE layers of a stage (stage_dse.graph.layers.dense_layers_among)."""
+        if dns is None:
+            return [(blk, layers)]
+        dense = dense_layers_among(layers, where)
+        return [(blk, layers - dense), (dns, dense)]
+
     m = S.global_batch / (S.dp * S.micro_batch)
 
     def stage(label: str, parts: list[tuple[SectionTime, sp.Expr]]) -> dict[str, sp.Expr]:
@@ -494,13 +502,12 @@ def _derive_time(key: CostKey, measured: bool):
         }
 
     # the layer split (stage_dse.spec.stages): first, last and the fullest middle stage
-    first_parts = [(blk, S.first_layers - dense_first), (emb, 1), (head, single)]
-    if dns is not None:
-        first_parts.append((dns, dense_first))
+    first_parts = [*layer_parts(S.first_layers, "first"), (emb, 1), (head, single)]
+    last_parts = [*layer_parts(S.last_layers, "last"), (head, 1)]
     stages = {
         "first": (stage("first", first_parts), S.first_layers, sp.Integer(1)),
-        "last": (stage("last", [(blk, S.last_layers), (head, 1)]), S.last_layers, 1 - single),
-        "mid": (stage("mid", [(blk, S.mid_layers)]), S.mid_layers, has_mid),
+        "last": (stage("last", last_parts), S.last_layers, 1 - single),
+        "mid": (stage("mid", layer_parts(S.mid_layers, "mid")), S.mid_layers, has_mid),
     }
     # each micro-batch crosses a stage boundary forward and backward once per model chunk
     chunks = v if key.schedule is PipelineSchedule.INTERLEAVED else 1

@@ -47,6 +47,9 @@ class Symbols:
     shared_experts = _count("shared_experts")
     capacity_factor = _real("capacity_factor")
     dense_layers = _count("dense_layers")
+    """Leading dense-MLP layers of a mixture-of-experts model (``first_dense_layers``)."""
+    moe_interval = _sym("moe_interval")
+    """After them, every ``moe_interval``-th layer is MoE (``moe_layer_interval``; 1 otherwise)."""
     # multi-head latent attention (bound to 1 for other models, where they do not appear)
     q_lora = _sym("q_lora")
     kv_lora = _sym("kv_lora")

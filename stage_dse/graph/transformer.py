@@ -109,7 +109,8 @@ class GraphKey:
     moe: bool = False
     shared_experts: bool = False
     dense_layers: bool = False
-    """The model starts with dense layers (a second block section)."""
+    """Some layers of the mixture-of-experts model use the dense MLP, leading or interleaved
+    (a second block section; :func:`stage_dse.graph.layers.dense_layers_among` counts them)."""
     expert_tensor_parallel: bool = False
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
@@ -131,7 +132,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         optimizer_bytes_per_param=training.optimizer_bytes_per_param,
         moe=model.is_moe,
         shared_experts=model.num_shared_experts > 0,
-        dense_layers=model.first_dense_layers > 0,
+        dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
         mla=model.is_mla,
     )
@@ -148,7 +149,7 @@ class ModelGraphs:
     tied_head_weight: Tensor | None
     """The head's copy of the word embeddings when they are tied (not a separate parameter)."""
     dense: Graph | None = None
-    """A dense layer of a mixture-of-experts model that starts with dense layers."""
+    """A dense-MLP layer of a mixture-of-experts model that has some (leading or interleaved)."""
 
     @property
     def sections(self) -> tuple[Graph, ...]:

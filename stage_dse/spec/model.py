@@ -82,6 +82,11 @@ class ModelSpec:
     """Experts every token passes through (DeepSeek-style), each of ``moe_ffn_hidden_size``."""
     first_dense_layers: int = 0
     """The first k layers use a dense MLP of ``ffn_hidden_size`` (DeepSeek-V3: 3)."""
+    moe_layer_interval: int = 1
+    """After the leading dense layers, every k-th layer is an MoE layer and the others use the
+    dense MLP of ``ffn_hidden_size``: layer ``i`` is MoE when ``(i - first_dense_layers + 1)``
+    is a multiple of k (Hugging Face's ``interleave_moe_layer_step``; Llama 4 Maverick: 2, MoE
+    on layers 1, 3, 5, ...). 1: every layer after the leading dense ones is MoE."""
     capacity_factor: float = 1.0
     """Tokens an expert processes relative to a perfectly balanced share (routing is assumed
     balanced; > 1 pads every expert to that capacity)."""
@@ -118,6 +123,7 @@ class ModelSpec:
         for field in ("num_experts", "top_k", "moe_ffn_hidden_size", "num_shared_experts",
                       "first_dense_layers"):  # fmt: skip
             non_negative_int(owner, field, getattr(self, field))
+        positive_int(owner, "moe_layer_interval", self.moe_layer_interval)
         if self.num_experts:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ConfigError(
@@ -130,6 +136,12 @@ class ModelSpec:
                     f"model.first_dense_layers({self.first_dense_layers}) must be < "
                     f"num_layers({self.num_layers})"
                 )
+            if self.num_moe_layers == 0:
+                raise ConfigError(
+                    f"model.moe_layer_interval({self.moe_layer_interval}) leaves no MoE layer in "
+                    f"the {self.num_layers - self.first_dense_layers} layers after "
+                    "first_dense_layers; use an interval <= that count"
+                )
             if self.moe_ffn_hidden_size == 0:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
             if not (isinstance(self.capacity_factor, int | float) and self.capacity_factor >= 1):
@@ -139,6 +151,11 @@ class ModelSpec:
         elif self.top_k or self.num_shared_experts or self.first_dense_layers:
             raise ConfigError(
                 "model.top_k/num_shared_experts/first_dense_layers need num_experts > 0"
+            )
+        elif self.moe_layer_interval != 1:
+            raise ConfigError(
+                f"model.moe_layer_interval({self.moe_layer_interval}) needs num_experts > 0; "
+                "leave it 1 for a dense model"
             )
         for field in ("q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim"):
             non_negative_int(owner, field, getattr(self, field))
@@ -165,6 +182,29 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.q_lora_rank > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) has routed experts (see ``moe_layer_interval``)."""
+        after = index - self.first_dense_layers
+        return self.is_moe and after >= 0 and (after + 1) % self.moe_layer_interval == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with routed experts (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return (self.num_layers - self.first_dense_layers) // self.moe_layer_interval
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with the dense MLP: all of a dense model's, the leading and interleaved ones of
+        a mixture-of-experts model."""
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """A mixture-of-experts model with some dense-MLP layers (a second block section)."""
+        return self.is_moe and self.num_dense_layers > 0
 
     @property
     def gqa_group_size(self) -> int:

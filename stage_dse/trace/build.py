@@ -345,7 +345,7 @@ def analytic_flops(cfg: TraceConfig) -> int:
     head = num(head_sc.compute_flops[mode]) * m + num(head_sc.optimizer_flops)
     block = per_layer(graphs.block)
     dense = per_layer(graphs.dense) if graphs.dense is not None else 0.0
-    n_dense = cfg.model.first_dense_layers if graphs.dense is not None else 0
+    n_dense = cfg.model.num_dense_layers if graphs.dense is not None else 0
     n_block = cfg.model.num_layers - n_dense
     ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
     # every stage's ranks run their layers; summed over stages that is every layer once

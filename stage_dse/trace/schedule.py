@@ -36,14 +36,16 @@ def stage_layers(layers: int, pp: int, split: str = "balanced") -> list[int]:
 
 
 def layer_runs(graphs, model: ModelSpec, start: int, count: int) -> list[tuple[Graph, int]]:
-    """Layers [start, start + count) as runs of leading dense layers and block layers."""
-    dense_layers = model.first_dense_layers if graphs.dense is not None else 0
-    n_dense = max(0, min(dense_layers, start + count) - start)
-    runs = []
-    if n_dense:
-        runs.append((graphs.dense, n_dense))
-    if count - n_dense:
-        runs.append((graphs.block, count - n_dense))
+    """Layers [start, start + count) as runs of dense-MLP layers (leading or interleaved,
+    :meth:`stage_dse.spec.ModelSpec.is_moe_layer`) and block layers."""
+    runs: list[tuple[Graph, int]] = []
+    for index in range(start, start + count):
+        dense = graphs.dense is not None and not model.is_moe_layer(index)
+        graph = graphs.dense if dense else graphs.block
+        if runs and runs[-1][0] is graph:
+            runs[-1] = (graph, runs[-1][1] + 1)
+        else:
+            runs.append((graph, 1))
     return runs
 
 

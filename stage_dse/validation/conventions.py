@@ -44,7 +44,7 @@ def linear_params_per_token(m: ModelSpec) -> tuple[int, int]:
     the output layer."""
     attn = _attention_params(m)
     if m.is_moe:
-        dense = m.first_dense_layers
+        dense = m.num_dense_layers
         experts = (m.top_k + m.num_shared_experts) * _mlp_params(m, m.moe_ffn_hidden_size)
         moe_layer = attn + experts + m.hidden_size * m.num_experts
         layers = dense * (attn + _mlp_params(m, m.ffn_hidden_size))
