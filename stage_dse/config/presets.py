@@ -35,7 +35,6 @@ HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "peak_bf16_tflops": ("peak_flops", 1e12),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
     "peak_fp4_tflops": ("peak_fp4_flops", 1e12),
-    "peak_fp4_tflops": ("peak_fp4_flops", 1e12),
     "hbm_gib": ("hbm_bytes", 2.0**30),
     "hbm_tb_s": ("hbm_bandwidth_bytes_per_s", 1e12),
     "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),

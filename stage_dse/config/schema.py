@@ -73,6 +73,8 @@ class HardwareConf:
     peak_bf16_tflops: float = MISSING
     peak_fp8_tflops: float = 0.0
     """Dense FP8 tensor-core peak (0: none)."""
+    peak_fp4_tflops: float = 0.0
+    """Dense FP4 tensor-core peak (0: none; 4-bit weights are rejected there)."""
     sustained_clock: float = 1.0
     """Sustained tensor-core clock under the power limit, fraction of the datasheet's."""
     hbm_gib: float = MISSING
@@ -81,6 +83,8 @@ class HardwareConf:
     gemm_efficiency: float = 0.75
     fp8_gemm_efficiency: float = 0.0
     """Large FP8 GEMMs' fraction of the FP8 peak (0: 0.8 x gemm_efficiency)."""
+    fp4_gemm_efficiency: float = 0.0
+    """Large FP4 GEMMs' fraction of the FP4 peak (0: 0.6 x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8

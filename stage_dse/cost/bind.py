@@ -89,10 +89,12 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
     return {
         "peak_flops": hardware.peak_flops,
         "peak_fp8_flops": hardware.peak_fp8_flops,
+        "peak_fp4_flops": hardware.peak_fp4_flops,
         "sustained_clock": hardware.sustained_clock,
         "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
         "gemm_efficiency": hardware.gemm_efficiency,
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,
+        "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,
         "gemm_half_dim": hardware.gemm_half_dim,
         "attention_efficiency": hardware.attention_efficiency,
         "memory_efficiency": hardware.memory_efficiency,

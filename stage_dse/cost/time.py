@@ -21,7 +21,10 @@ Model, in order of the terms of ``time_step_s``:
   FP8 peak, each after a quantize kernel for its 16-bit input (forward: the activation; input
   gradient: the output gradient; the weight gradient reuses both FP8 copies, as Transformer
   Engine does): 3 bytes per element streamed, never below the streaming floor; attention stays
-  16-bit; MFU and HFU are against the peak of the GEMM precision. Causal fused attention
+  16-bit; MFU and HFU are against the peak of the GEMM precision. GEMM inputs below 0.75
+  bytes per element (NVFP4, 0.5625 with its block scales: serving's W4A4) run on the FP4 peak
+  at ``fp4_gemm_efficiency`` after a quantize kernel writing that format
+  (:func:`gemm_precision_weights`). Causal fused attention
   executes ``(T + 1) / 2T`` of its score tiles (:func:`stage_dse.graph.forward.causal_fraction`).
 * **Collectives** (Thakur et al. 2005; NCCL): a group of ``n`` GPUs splits into ``n_in`` members
   per scale-up domain times ``n_out`` domains, which follows from the mesh rank order and
@@ -145,6 +148,14 @@ def _fp8_quantized_numel(op: Op) -> sp.Expr:
     return sp.Integer(0)
 
 
+def gemm_precision_weights() -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """0/1 weights (16-bit, 8-bit, 4-bit) of the tensor cores the linear GEMMs run on, from
+    ``gemm_bytes`` (2, 1 or below 0.75) in min/max arithmetic; exactly one of them is 1."""
+    w16 = _max(0, _min(1, S.gemm_bytes - 1))
+    w4 = _max(0, _min(1, 4 * (1 - S.gemm_bytes)))
+    return w16, 1 - w16 - w4, w4
+
+
 def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     """Seconds of one kernel: roofline, never below the kernel class's floor. ``saved_bytes``:
     HBM traffic a fused element-wise op does not make; such an op runs inside its consumer's
@@ -164,14 +175,16 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
     eff = S.gemm_efficiency * shape
     peak = S.peak_flops
     quantize = sp.Integer(0)
-    if is_linear(op):  # FP8 tensor cores when GEMM inputs are 1 byte (else 2)
-        fp8 = 2 - S.gemm_bytes
-        peak = S.peak_flops + fp8 * (S.peak_fp8_flops - S.peak_flops)
-        eff = (S.gemm_efficiency + fp8 * (S.fp8_gemm_efficiency - S.gemm_efficiency)) * shape
+    if is_linear(op):  # the tensor cores of the GEMM inputs' precision (gemm_bytes)
+        w16, w8, w4 = gemm_precision_weights()
+        peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
+        eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
+        eff = eff * shape
         numel = _fp8_quantized_numel(op)
-        if numel != 0:  # a quantize kernel first: read 16-bit, write 8-bit
-            kernel = _max(3 * numel / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
-            quantize = fp8 * kernel
+        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
+            streamed = (2 + S.gemm_bytes) * numel
+            kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
+            quantize = (1 - w16) * kernel
     gemm = _max(op.flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
     gemm = gemm + S.kernel_launch_s
     return gemm, quantize
@@ -561,7 +574,8 @@ def _derive_time(key: CostKey, measured: bool):
     gpus = S.dp * S.tp * S.pp * S.cp
     out["tokens_per_s"] = S.global_batch * S.seq / step
     # against the dense peak of the GEMMs' precision (the FP8 peak when they run in FP8)
-    peak = S.peak_flops + (2 - S.gemm_bytes) * (S.peak_fp8_flops - S.peak_flops)
+    w16, w8, w4 = gemm_precision_weights()
+    peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
     out["mfu"] = costs.flops["model"] / (step * gpus * peak)
     out["mfu_causal"] = costs.flops["model_causal"] / (step * gpus * peak)
     out["hfu"] = costs.flops["matmul"] / (step * gpus * peak)

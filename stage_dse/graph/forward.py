@@ -269,15 +269,22 @@ class ForwardOps(LayoutOps):
         return out
 
     def embedding(
-        self, name: str, ids: Tensor, table: Tensor, row_axis: Axis, out_axes: Sequence[Axis]
+        self,
+        name: str,
+        ids: Tensor,
+        table: Tensor,
+        row_axis: Axis,
+        out_axes: Sequence[Axis],
+        out_dtype_bytes: sp.Expr | int | None = None,
     ) -> Tensor:
-        """Row lookup; a table split over rows gives a partial sum (vocab-parallel embedding)."""
+        """Row lookup; a table split over rows gives a partial sum (vocab-parallel embedding).
+        The rows come out in the table's element size unless ``out_dtype_bytes`` says otherwise
+        (a 4-bit table is dequantized to the activations' format)."""
         row_split = table.split_of(row_axis)
         col_axes = [ax for ax in table.axes if ax is not row_axis]
         layout = list(ids.layout) + [table.split_of(ax) for ax in col_axes]
-        out = self.tensor(
-            name, Role.ACTIVATION, out_axes, layout, table.dtype_bytes, partial=row_split
-        )
+        dtype = table.dtype_bytes if out_dtype_bytes is None else out_dtype_bytes
+        out = self.tensor(name, Role.ACTIVATION, out_axes, layout, dtype, partial=row_split)
         self._record(
             Op(
                 kind=OpKind.EMBEDDING,

@@ -63,8 +63,9 @@ class Symbols:
     """Serving: prompt tokens per sequence (the prefill length)."""
     output_tokens = _sym("output_tokens")
     """Serving: tokens generated per sequence."""
-    gemm_bytes = _sym("gemm_bytes")
-    """Bytes per element of the linear layers' GEMM inputs: 2 (bf16/fp16) or 1 (fp8)."""
+    gemm_bytes = _real("gemm_bytes")
+    """Bytes per element of the linear layers' GEMM inputs: 2 (bf16/fp16), 1 (fp8) or 0.5625
+    (NVFP4, its block scales included); below 0.75 they run on the FP4 tensor cores."""
     # parallel degrees
     dp = _sym("dp")
     tp = _sym("tp")
@@ -88,10 +89,12 @@ class Symbols:
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
+    peak_fp4_flops = sp.Symbol("peak_fp4_flops", nonnegative=True)
     sustained_clock = _real("sustained_clock")
     hbm_bandwidth = _real("hbm_bandwidth")
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
+    fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
@@ -130,10 +133,12 @@ S = Symbols
 HARDWARE_SYMBOLS = (
     "peak_flops",
     "peak_fp8_flops",
+    "peak_fp4_flops",
     "sustained_clock",
     "hbm_bandwidth",
     "gemm_efficiency",
     "fp8_gemm_efficiency",
+    "fp4_gemm_efficiency",
     "gemm_half_dim",
     "attention_efficiency",
     "memory_efficiency",

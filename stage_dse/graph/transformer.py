@@ -103,7 +103,8 @@ class GraphKey:
     sequence_parallel: bool
     attention: AttentionKernel
     zero_stage: int
-    param_bytes: int
+    param_bytes: float
+    """Bytes per weight value (0.5625 / 0.53125 for NVFP4 / MXFP4, block scales included)."""
     grad_bytes: int
     optimizer_bytes_per_param: int
     moe: bool = False
@@ -163,7 +164,10 @@ class _Builder:
     def __init__(self, key: GraphKey, serving: str | None = None, kv_bytes: int = 2) -> None:
         self.k = key
         self.g = Graph(grad_bytes=key.grad_bytes)
-        self.pb = key.param_bytes
+        self.pb = sp.Rational(key.param_bytes)  # 9/16 for NVFP4: exact, scales included
+        # activations between kernels: the weights' format down to 8 bits; under 4-bit weights
+        # 16-bit (only the linear GEMMs' inputs are quantized, stage_dse.cost.time)
+        self.ab = self.pb if self.pb >= 1 else sp.Integer(2)
         self.serving = serving
         """None (training), "prefill" or "decode": forward only, attention over a KV cache."""
         self.kv_bytes = kv_bytes
@@ -396,7 +400,7 @@ class _Builder:
         return self.g.pointwise(DROPOUT, name, x) if self.k.dropout else x
 
     def activation(self, name: str, axes, layout) -> Tensor:
-        return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.pb)
+        return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.ab)
 
     # ---------------------------------------------------------------- sections
     def block(self, dense: bool = False) -> Graph:
@@ -486,12 +490,12 @@ class _Builder:
         with g.scope(Scope.EMBED):
             ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
             table = self.w("word_embeddings", [V, H], [(TP,), ()])
-            x = g.embedding("word_embedding", ids, table, V, [Bt, Sq, H])
+            x = g.embedding("word_embedding", ids, table, V, [Bt, Sq, H], self.ab)
             x = g.redistribute(x, self.act)
             if self.k.position is PositionKind.LEARNED:
                 pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
                 pos_table = self.w("position_embeddings", [P, H], [(), ()])
-                pos = g.embedding("position_embedding", pos_ids, pos_table, P, [Bt, Sq, H])
+                pos = g.embedding("position_embedding", pos_ids, pos_table, P, [Bt, Sq, H], self.ab)
                 pos = g.redistribute(pos, self.act)
                 x = g.pointwise(ADD, "embedding_sum", x, pos)
             y = self.dropout("embedding_dropout", x)

@@ -42,11 +42,12 @@ LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_byt
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
-    "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage", "param_bytes",
+    "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
-    "gemm_bytes", *STAGE_SYMBOLS,
+    *STAGE_SYMBOLS,
 }  # fmt: skip
+"""Integer columns; ``param_bytes`` and ``gemm_bytes`` are not (0.5625 for 4-bit weights)."""
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",

@@ -13,6 +13,12 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   (aiconfigurator-core 0.12.0, GEMMs with m, n, k >= 4096) the median FP8 efficiency is 0.79
   (H100), 0.80 (H200) and 0.81 (B200) of the bf16 one; a preset that gives none takes
   ``FP8_GEMM_RATIO`` x ``gemm_efficiency``.
+* ``fp4_gemm_efficiency``: the same for FP4 (NVFP4, W4A4) GEMMs against the dense FP4 peak
+  (``peak_fp4_flops``; 0: no FP4 tensor cores, Hopper, Ada and older). FP4 kernels reach a
+  smaller share still: in the same tables (GEMMs with m, n, k >= 4096, medians) the NVFP4
+  efficiency is 0.60 (B200), 0.62 (GB200), 0.42 (GB300) and 0.79 (RTX PRO 6000 Blackwell
+  Server Edition) of the bf16 one; a preset that gives none takes ``FP4_GEMM_RATIO`` x
+  ``gemm_efficiency``, the B200-class value.
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
@@ -35,10 +41,12 @@ from stage_dse.spec._validate import (
     positive_number,
 )
 
-__all__ = ["FP8_GEMM_RATIO", "ClusterSpec", "HardwareSpec"]
+__all__ = ["FP4_GEMM_RATIO", "FP8_GEMM_RATIO", "ClusterSpec", "HardwareSpec"]
 
 FP8_GEMM_RATIO = 0.8
 """FP8 over bf16 GEMM efficiency where a preset does not give its own (see the module doc)."""
+FP4_GEMM_RATIO = 0.6
+"""FP4 over bf16 GEMM efficiency where a preset does not give its own (see the module doc)."""
 
 
 def _fraction(owner: str, field: str, value: object) -> None:
@@ -56,6 +64,9 @@ class HardwareSpec:
     """Dense 16-bit (bf16/fp16) tensor-core peak, flop/s."""
     peak_fp8_flops: float = 0.0
     """Dense FP8 tensor-core peak, flop/s (0: no FP8 tensor cores)."""
+    peak_fp4_flops: float = 0.0
+    """Dense FP4 (NVFP4/MXFP4) tensor-core peak, flop/s (0: no FP4 tensor cores, which
+    serving rejects 4-bit weights on)."""
     sustained_clock: float = 1.0
     """Clock the tensor cores sustain under the part's power limit, as a fraction of the clock
     the datasheet peaks assume (1: no throttling). MFU stays against the datasheet peak."""
@@ -67,6 +78,8 @@ class HardwareSpec:
     gemm_efficiency: float = 0.8
     fp8_gemm_efficiency: float = 0.0
     """Large FP8 GEMMs' fraction of the FP8 peak (0: ``FP8_GEMM_RATIO`` x gemm_efficiency)."""
+    fp4_gemm_efficiency: float = 0.0
+    """Large FP4 GEMMs' fraction of the FP4 peak (0: ``FP4_GEMM_RATIO`` x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     """Smallest GEMM dimension at which GEMM efficiency halves."""
     attention_efficiency: float = 0.6
@@ -102,11 +115,17 @@ class HardwareSpec:
                 self, "fp8_gemm_efficiency", round(FP8_GEMM_RATIO * self.gemm_efficiency, 4)
             )
         _fraction(owner, "fp8_gemm_efficiency", self.fp8_gemm_efficiency)
+        if not self.fp4_gemm_efficiency:
+            object.__setattr__(
+                self, "fp4_gemm_efficiency", round(FP4_GEMM_RATIO * self.gemm_efficiency, 4)
+            )
+        _fraction(owner, "fp4_gemm_efficiency", self.fp4_gemm_efficiency)
         for f in (
             "memory_reserve_bytes",
             "kernel_launch_s",
             "overlap_slowdown",
             "peak_fp8_flops",
+            "peak_fp4_flops",
             "gemm_floor_s",
             "attention_floor_s",
             "elementwise_floor_s",

@@ -6,6 +6,25 @@ data-parallel over the expert-parallel ranks (dp = ep: each rank attends for its
 experts are split over them and tokens reach their experts by all-to-all, as SGLang and
 DeepSeek's inference deploy it). :func:`serving_plan` builds one, :func:`validate_serving`
 checks it against a model.
+
+Number formats. Weights are ``bf16``/``fp16``, ``fp8`` or a 4-bit block-scaled format,
+``nvfp4`` or ``mxfp4`` (sizes with their scales in :mod:`stage_dse.spec.training`); ``fp4``
+means ``nvfp4``, the format of NVIDIA's FP4 checkpoints (TensorRT-LLM / ModelOpt "FP4").
+What the linear layers' GEMMs then run in:
+
+* ``fp8`` weights: FP8 GEMMs where the hardware has FP8 tensor cores (W8A8), else the weights
+  are a storage format and GEMMs run in bf16;
+* ``nvfp4``: W4A4 on the FP4 tensor cores, each GEMM quantizing its activation operand to
+  NVFP4 first (TensorRT-LLM's FP4 recipe; vLLM / llm-compressor's W4A4 NVFP4 on Blackwell);
+* ``mxfp4``: W4A8, MXFP4 weights times MXFP8 activations at the FP8 tensor-core rate, as
+  TensorRT-LLM runs MXFP4 checkpoints on Blackwell (its GPT-OSS deployment guide: MXFP8
+  activations, MXFP4 MoE weights on B200/GB200/B300/GB300).
+
+Either 4-bit format needs a GPU with FP4 tensor cores (``hardware.peak_fp4_flops`` > 0,
+Blackwell); elsewhere (Hopper, Ada, Ampere) it is rejected, not silently run as a
+weight-only format. Activations between kernels are 16-bit under 4-bit weights (only the
+GEMMs' inputs are quantized). The KV cache is ``bf16``/``fp16`` or ``fp8``: a 4-bit cache
+(TensorRT-LLM's NVFP4 KV cache, dequantized to FP8 for attention) is not modelled.
 """
 
 from __future__ import annotations
@@ -19,7 +38,7 @@ from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import ParallelPlan
 from stage_dse.spec.training import DType, TrainingSpec
 
-__all__ = ["ServingSpec", "serving_plan", "validate_serving"]
+__all__ = ["FP4_ALIAS", "ServingSpec", "check_weights_dtype", "serving_plan", "validate_serving"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +52,7 @@ class ServingSpec:
     """Sequences decoded together per pipeline stage; with pp stages, pp such batches are in
     flight (each stage works on one), so the KV cache holds pp x batch_size sequences."""
     weights_dtype: DType = DType.BF16
+    """``bf16``, ``fp16``, ``fp8``, ``nvfp4`` or ``mxfp4`` (``fp4``: ``nvfp4``)."""
     kv_dtype: DType = DType.BF16
 
     def __post_init__(self) -> None:
@@ -40,7 +60,14 @@ class ServingSpec:
         for f in ("prompt_len", "output_tokens", "batch_size"):
             positive_int(owner, f, getattr(self, f))
         for f in ("weights_dtype", "kv_dtype"):
-            object.__setattr__(self, f, coerce_enum(DType, owner, f, getattr(self, f)))
+            value = getattr(self, f)
+            value = FP4_ALIAS if isinstance(value, str) and value.lower() == "fp4" else value
+            object.__setattr__(self, f, coerce_enum(DType, owner, f, value))
+        if self.kv_dtype.is_fp4:
+            raise ConfigError(
+                f"serving.kv_dtype={self.kv_dtype.value}: a 4-bit KV cache is not modelled; "
+                "use fp8 or bf16"
+            )
 
     @property
     def decode_context(self) -> float:
@@ -52,16 +79,41 @@ class ServingSpec:
     def step_like(self, hardware=None, replicas: int = 1) -> TrainingSpec:
         """The training-step view of a serving pass that symbols are bound from: the prompt as
         the sequence, the batch of every attention replica as the global batch, the weights'
-        dtype for parameters, and FP8 GEMMs when the weights are FP8 and ``hardware`` has FP8
-        tensor cores (elsewhere FP8 weights are a storage format and GEMMs run in bf16)."""
-        fp8 = (
-            self.weights_dtype is DType.FP8 and hardware is not None and hardware.peak_fp8_flops > 0
-        )
+        dtype for parameters, and the GEMM format the weights run in on ``hardware`` (module
+        doc): FP8 when the weights are FP8 or MXFP4 (W4A8) and the hardware has FP8 tensor
+        cores (elsewhere FP8 weights are a storage format and GEMMs run in bf16), NVFP4 for
+        NVFP4 weights. 4-bit weights on ``hardware`` without FP4 tensor cores are a
+        ``ConfigError`` (:func:`check_weights_dtype`)."""
+        if hardware is not None:
+            check_weights_dtype(self, hardware)
+        w = self.weights_dtype
+        if w is DType.NVFP4:
+            gemm = DType.NVFP4
+        elif w is DType.MXFP4 or (
+            w is DType.FP8 and hardware is not None and hardware.peak_fp8_flops > 0
+        ):
+            gemm = DType.FP8
+        else:
+            gemm = DType.BF16
         return TrainingSpec(
             seq_len=self.prompt_len,
             global_batch_size=self.batch_size * replicas,
             params_dtype=self.weights_dtype,
-            gemm_dtype=DType.FP8 if fp8 else DType.BF16,
+            gemm_dtype=gemm,
+            serving_view=True,
+        )
+
+
+FP4_ALIAS = DType.NVFP4
+"""What ``fp4`` means: NVFP4, the format of NVIDIA's FP4 checkpoints (ModelOpt, TensorRT-LLM)."""
+
+
+def check_weights_dtype(serving: ServingSpec, hardware) -> None:
+    """4-bit weights need FP4 tensor cores (``hardware.peak_fp4_flops`` > 0)."""
+    if serving.weights_dtype.is_fp4 and hardware.peak_fp4_flops <= 0:
+        raise ConfigError(
+            f"serving.weights_dtype={serving.weights_dtype.value} needs FP4 tensor cores; "
+            f"{hardware.name} has none (peak_fp4_tflops unset): use fp8"
         )
 
 

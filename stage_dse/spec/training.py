@@ -2,6 +2,16 @@
 
 Byte sizes follow the mixed-precision Adam convention of Rajbhandari et al. (ZeRO, SC20, sec. 3.1):
 16-bit parameters and gradients, fp32 master weights and two fp32 Adam moments.
+
+The 4-bit block-scaled formats are weight formats of serving (:class:`ServingSpec`), not of
+training steps; their sizes count the block scales:
+
+* ``nvfp4`` (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference",
+  2025): 4-bit E2M1 values, one FP8 E4M3 scale per block of 16 values (and one FP32 scale per
+  tensor, negligible): 4 + 8/16 = 4.5 bits, 0.5625 bytes per value;
+* ``mxfp4`` (OCP Microscaling Formats (MX) Specification v1.0, 2023, sec. 5: MXFP4): 4-bit
+  E2M1 values, one E8M0 (power-of-two) scale per block of 32: 4 + 8/32 = 4.25 bits, 0.53125
+  bytes per value.
 """
 
 from __future__ import annotations
@@ -21,10 +31,29 @@ class DType(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
 
     @property
-    def bytes(self) -> int:
-        return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[self.value]
+    def bytes(self) -> float:
+        """Bytes per value, block scales included (0.5625 for NVFP4, 0.53125 for MXFP4)."""
+        return BYTES_PER_VALUE[self.value]
+
+    @property
+    def is_fp4(self) -> bool:
+        """A 4-bit block-scaled format (NVFP4, MXFP4)."""
+        return self.value in ("nvfp4", "mxfp4")
+
+
+BYTES_PER_VALUE = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "nvfp4": (4 + 8 / 16) / 8,
+    "mxfp4": (4 + 8 / 32) / 8,
+}
+"""Bytes per value of each format: element bits plus the block scale's share, over 8."""
 
 
 class Optimizer(StrEnum):
@@ -58,12 +87,19 @@ class TrainingSpec:
     """Inputs of the linear layers' GEMMs (forward, input and weight gradients). ``fp8`` runs
     them on FP8 tensor cores and caches the activations they keep for backward in FP8
     (Transformer Engine; DeepSeek-V3 technical report sec. 3.3); attention stays 16-bit."""
+    serving_view: bool = False
+    """The step a serving pass binds its symbols from (:meth:`ServingSpec.step_like`): forward
+    only, so weights and GEMMs may take the 4-bit formats; a training step may not."""
 
     def __post_init__(self) -> None:
         owner = "training"
-        if str(self.gemm_dtype) not in ("bf16", "fp16", "fp8"):
+        gemm_formats = (
+            ("bf16", "fp16", "fp8", "nvfp4") if self.serving_view else ("bf16", "fp16", "fp8")
+        )
+        if str(self.gemm_dtype) not in gemm_formats:
             raise ConfigError(
-                f"training.gemm_dtype={str(self.gemm_dtype)!r} is not one of: bf16, fp16, fp8"
+                f"training.gemm_dtype={str(self.gemm_dtype)!r} is not one of: "
+                + ", ".join(gemm_formats)
             )
         positive_int(owner, "seq_len", self.seq_len)
         positive_int(owner, "global_batch_size", self.global_batch_size)
@@ -78,6 +114,14 @@ class TrainingSpec:
         object.__setattr__(
             self, "optimizer", coerce_enum(Optimizer, owner, "optimizer", self.optimizer)
         )
+        if not self.serving_view:
+            for field in ("params_dtype", "grads_dtype", "master_dtype", "optimizer_state_dtype"):
+                value = getattr(self, field)
+                if value.is_fp4:
+                    raise ConfigError(
+                        f"training.{field}={value.value} is a serving weight format (4-bit "
+                        "block-scaled): use bf16 or fp8 for training"
+                    )
 
     @property
     def fp8_gemms(self) -> bool:
@@ -100,7 +144,12 @@ class TrainingSpec:
 
 
 def check_gemm_dtype(training: TrainingSpec, hardware) -> None:
-    """FP8 GEMMs need FP8 tensor cores (``hardware.peak_fp8_flops`` > 0)."""
+    """FP8 GEMMs need FP8 tensor cores (``hardware.peak_fp8_flops`` > 0), FP4 GEMMs FP4 ones."""
+    if training.gemm_dtype.is_fp4 and hardware.peak_fp4_flops <= 0:
+        raise ConfigError(
+            f"training.gemm_dtype={training.gemm_dtype.value} needs FP4 tensor cores; hardware "
+            f"{hardware.name} has none (peak_fp4_tflops unset): use fp8"
+        )
     if training.fp8_gemms and hardware.peak_fp8_flops <= 0:
         raise ConfigError(
             f"training.gemm_dtype=fp8 needs FP8 tensor cores; hardware {hardware.name} has none "

@@ -98,6 +98,11 @@ def training_setup(case: Case) -> TrainingSetup:
         overrides = {**f.get("cluster_overrides", {}), "num_gpus": max(f["gpus"], 1)}
         if "gpus_per_node" in f:
             overrides["gpus_per_node"] = f["gpus_per_node"]
+        domain = overrides.get("gpus_per_node", load_cluster(cl_name, num_gpus=1).gpus_per_node)
+        if f["gpus"] > domain and f["gpus"] % domain:
+            raise Unexpressible(
+                f"gpus({f['gpus']}) is not a whole number of {cl_name}'s {domain}-GPU domains"
+            )
         cluster = load_cluster(cl_name, **overrides)
     except ConfigError as exc:
         raise CorpusError(f"{label}: {exc}") from None

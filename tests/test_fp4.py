@@ -1,0 +1,132 @@
+"""FP4 weights: NVFP4 / MXFP4 sizes with their scales, W4A4 on FP4 tensor cores, rejections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import sympy as sp
+
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.serving import evaluate_serving_table
+from stage_dse.cost.time import gemm_precision_weights
+from stage_dse.errors import ConfigError
+from stage_dse.graph.ir import Role
+from stage_dse.graph.symbols import S
+from stage_dse.graph.transformer import build_serving_graphs
+from stage_dse.runner.serving import serving_row
+from stage_dse.spec import DType, TrainingSpec
+from stage_dse.spec.serving import ServingSpec
+
+B200 = load_hardware("b200")
+
+
+def serve(weights: str, hardware=B200, cluster: str = "hgx_b200", batch: int = 1, tp: int = 1):
+    model = load_model("llama3_70b")
+    spec = ServingSpec(prompt_len=2048, output_tokens=256, batch_size=batch, weights_dtype=weights)
+    row, key = serving_row(model, spec, hardware, load_cluster(cluster, num_gpus=8), tp)
+    return row, evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+
+
+def test_block_scaled_formats_count_their_scales():
+    """NVFP4: E2M1 values with one E4M3 scale per 16 (4.5 bits); MXFP4: one E8M0 per 32."""
+    assert DType.NVFP4.bytes == (4 + 8 / 16) / 8 == 0.5625
+    assert DType.MXFP4.bytes == (4 + 8 / 32) / 8 == 0.53125
+    assert ServingSpec(prompt_len=8, weights_dtype="fp4").weights_dtype is DType.NVFP4
+    assert ServingSpec(prompt_len=8, weights_dtype="FP4").weights_dtype is DType.NVFP4
+
+
+@pytest.mark.parametrize("weights, bits", [("nvfp4", 4.5), ("mxfp4", 4.25), ("fp4", 4.5)])
+def test_fp4_weights_are_a_quarter_of_bf16_plus_scales(weights, bits):
+    _, bf16 = serve("bf16")
+    _, fp4 = serve(weights)
+    ratio = fp4["serve_weights_bytes"] / bf16["serve_weights_bytes"]
+    assert ratio == pytest.approx(bits / 16, rel=1e-12)
+    assert 0.25 < ratio < 0.29
+
+
+def test_nvfp4_runs_w4a4_on_the_fp4_peak_and_mxfp4_w4a8():
+    row, _ = serve("nvfp4")
+    assert row["gemm_bytes"] == 0.5625 and row["param_bytes"] == 0.5625
+    assert row["peak_fp4_flops"] == 9000e12
+    row, _ = serve("mxfp4")  # MXFP4 weights x MXFP8 activations (TensorRT-LLM on Blackwell)
+    assert row["gemm_bytes"] == 1 and row["param_bytes"] == 0.53125
+    like = ServingSpec(prompt_len=8, weights_dtype="nvfp4").step_like(B200)
+    assert like.gemm_dtype is DType.NVFP4
+
+
+@pytest.mark.parametrize(
+    "gemm_bytes, expected", [(2, (1, 0, 0)), (1, (0, 1, 0)), (0.5625, (0, 0, 1))]
+)
+def test_precision_weights_pick_one_tensor_core_class(gemm_bytes, expected):
+    got = tuple(
+        float(w.subs(S.gemm_bytes, sp.nsimplify(gemm_bytes))) for w in gemm_precision_weights()
+    )
+    assert got == expected
+
+
+def test_decode_and_prefill_are_faster_with_fp4_than_fp8_on_b200():
+    """Decode at batch 1 streams the weights: 4.5 bits instead of 8; prefill runs on the FP4
+    peak (twice FP8's, at a lower measured efficiency)."""
+    _, fp8 = serve("fp8")
+    _, fp4 = serve("fp4")
+    assert fp4["serve_tpot_s"] < 0.8 * fp8["serve_tpot_s"]
+    assert fp4["serve_ttft_s"] < fp8["serve_ttft_s"]
+    _, fp4_8 = serve("fp4", batch=8)
+    assert fp4_8["serve_tpot_s"] < serve("fp8", batch=8)[1]["serve_tpot_s"]
+
+
+def test_activations_stay_16_bit_under_fp4_weights():
+    """Only the weights (and each GEMM's quantized input) are 4-bit: every activation has the
+    size it has under bf16 weights (16-bit; the attention's log-sum-exp fp32)."""
+    model = load_model("llama3_8b")
+    sizes = {}
+    for weights in ("bf16", "nvfp4"):
+        spec = ServingSpec(prompt_len=128, weights_dtype=weights)
+        _, key = serving_row(model, spec, B200, load_cluster("hgx_b200", num_gpus=8), 1)
+        graphs = build_serving_graphs(key.graph, "decode", key.kv_bytes)
+        outs = [t for g in graphs.sections for op in g.ops for t in op.outputs]
+        sizes[weights] = {t.name: t.dtype_bytes for t in outs if t.role is Role.ACTIVATION}
+        weight_sizes = {w.dtype_bytes for g in graphs.sections for w in g.weights}
+    assert sizes["nvfp4"] == sizes["bf16"] and set(sizes["bf16"].values()) == {2, 4}
+    assert weight_sizes == {sp.Rational(9, 16)}
+
+
+@pytest.mark.parametrize("hw", ["h100_sxm", "a100_80gb", "h200", "l40s", "gh200"])
+def test_gpus_without_fp4_tensor_cores_reject_fp4_weights(hw):
+    spec = ServingSpec(prompt_len=8, weights_dtype="fp4")
+    with pytest.raises(ConfigError) as exc:
+        spec.step_like(load_hardware(hw))
+    message = str(exc.value)
+    assert message == (
+        f"serving.weights_dtype=nvfp4 needs FP4 tensor cores; {hw} has none "
+        "(peak_fp4_tflops unset): use fp8"
+    )
+    assert "\n" not in message
+
+
+def test_a_4_bit_kv_cache_and_4_bit_training_are_rejected():
+    with pytest.raises(ConfigError, match=r"^serving\.kv_dtype=nvfp4: a 4-bit KV cache"):
+        ServingSpec(prompt_len=8, kv_dtype="fp4")
+    with pytest.raises(ConfigError, match=r"^training\.params_dtype=nvfp4 is a serving"):
+        TrainingSpec(seq_len=8, global_batch_size=8, params_dtype="nvfp4")
+    with pytest.raises(ConfigError, match=r"^training\.gemm_dtype='nvfp4' is not one of"):
+        TrainingSpec(seq_len=8, global_batch_size=8, gemm_dtype="nvfp4")
+
+
+def test_fp4_corpus_cases_are_expressible_where_the_gpu_has_fp4():
+    from stage_dse.validation.corpus import load_corpus
+    from stage_dse.validation.serving import prepare
+
+    cases = [c for c in load_corpus("serving") if c.fields.get("weights") == "fp4"]
+    on_b200 = [c for c in cases if c.fields["hardware"] == "b200"][:20]
+    assert on_b200
+    prepared = prepare(on_b200)
+    assert not any("dtype" in r for r in prepared.unexpressible.values())
+    assert prepared.index
+    hopper = dataclasses.replace(
+        on_b200[0], fields={**on_b200[0].fields, "hardware": "h100_sxm", "cluster": "dgx_h100"}
+    )
+    reason = prepare([hopper]).unexpressible[hopper.id]
+    assert reason.startswith("serving.weights_dtype=nvfp4 needs FP4 tensor cores; h100_sxm")
