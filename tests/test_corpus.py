@@ -19,7 +19,7 @@ from stage_dse.validation.corpus import CorpusError, load_corpus, read_file
 from stage_dse.validation.fit import Parameter, Problem, fit, leave_one_source_out, loss
 from stage_dse.validation.report import group_summary, ranking_pairs
 from stage_dse.validation.resolve import Unexpressible
-from stage_dse.validation.serving import prepare
+from stage_dse.validation.serving import VARIANT, prepare
 from stage_dse.validation.training import training_setup
 
 CASES = load_corpus()
@@ -50,8 +50,13 @@ def test_every_training_case_resolves_or_names_what_is_missing():
 def test_every_serving_case_resolves_or_names_what_is_missing():
     serving = [c for c in CASES if c.kind == "serving"]
     prepared = prepare(serving)
-    assert len(prepared.index) + len(prepared.unexpressible) == len(serving)
+    resolved = {cid.split(VARIANT)[0] for cid in prepared.index}
+    assert resolved.isdisjoint(prepared.unexpressible)
+    assert len(resolved) + len(prepared.unexpressible) == len(serving)
     assert all(prepared.unexpressible.values())
+    # an unstated KV-cache dtype beside quantized weights ranges over bf16 and fp8
+    for cid, variants in prepared.variants.items():
+        assert {v.fields["kv"] for v in variants} == {"bf16", "fp8"}, cid
 
 
 GOOD = """\

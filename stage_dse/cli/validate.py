@@ -190,7 +190,7 @@ def _print_groups(timing: str, summary: pd.DataFrame, pairs: pd.DataFrame, res) 
             f"{pair:>7s}"
         )
     for kind, grp in res.groupby("corpus", sort=False):
-        have = grp[grp["status"].isin(("ok", "oom"))]
+        have = grp[grp["status"].isin(("ok", "oom")) & grp["err_pct"].notna()]
         err = have["err_pct"].to_numpy(float)
         loso = have["loso_err_pct"].to_numpy(float) if "loso_err_pct" in have else np.array([])
         loso = loso[np.isfinite(loso)]

@@ -15,7 +15,12 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stage_dse.config.presets import cluster_from_dict, hardware_from_dict, load_hardware
+from stage_dse.config.presets import (
+    cluster_from_dict,
+    hardware_from_dict,
+    load_engine,
+    load_hardware,
+)
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
     ModelSpec,
@@ -230,6 +235,13 @@ class ServingConf:
     """mode=recommend: the GPU of the disaggregated prefill pool (default: the hardware's)."""
     kv_link: str = "nic"
     """mode=recommend: nic or nvlink, the link the KV cache crosses from prefill to decode."""
+    engine: str = "none"
+    """The inference engine profile (conf/engine/: none, trtllm, vllm, sglang): its costs per
+    iteration and per running request."""
+    clients: int = 0
+    """Continuous batching: a closed loop of N users per replica (0: open loop or saturated)."""
+    burst: int = 0
+    """Continuous batching: N requests sent at once to each replica (0: none)."""
 
 
 @dataclass
@@ -484,6 +496,18 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         raise ConfigError("serving.request_mix needs serving.mode=continuous")
     if not float(sv["arrival_rate"]) >= 0:
         raise ConfigError(f"serving.arrival_rate must be >= 0, got {sv['arrival_rate']}")
+    for key in ("clients", "burst"):
+        v = sv.get(key, 0)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise ConfigError(f"serving.{key} must be an integer >= 0, got {v!r}")
+    loads = [k for k in ("arrival_rate", "clients", "burst") if float(sv.get(k, 0) or 0) > 0]
+    if len(loads) > 1:
+        raise ConfigError(
+            f"serving: give one load, not {' and '.join(loads)} (set the others to 0)"
+        )
+    if loads and mode != "continuous":
+        raise ConfigError(f"serving.{loads[0]} needs serving.mode=continuous")
+    engine = load_engine(str(sv.get("engine", "none")))
     # serving rows never share a folder with training rows: the default name gets a suffix
     name = c["sweep_name"] if c["sweep_name"] != "default" else "default_serving"
     return ServingSweepSpec(
@@ -505,4 +529,7 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         draft_tokens=int(sv["draft_tokens"]),
         acceptance=float(sv["acceptance"]),
         request_mix=mix,
+        engine=engine,
+        clients=int(sv.get("clients", 0)),
+        burst=int(sv.get("burst", 0)),
     )

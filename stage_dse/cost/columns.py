@@ -74,6 +74,7 @@ SERVING_COLUMNS: dict[str, str] = {
     "serve_decode_compute_s": "decode_compute_s",
     "serve_weight_read_s": "weight_read_s",
     "cb_requests_per_s": "requests_per_s",
+    "cb_total_tokens_per_s_per_gpu": "total_tokens_per_s_per_gpu",
     "cb_tokens_per_s_per_user": "tokens_per_s_per_user",
 }
 """Serving outputs (rows with ``workload == "serving"``; null for training rows)."""

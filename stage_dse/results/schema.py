@@ -80,6 +80,9 @@ _fields = [
     pa.field("draft_tokens", pa.float64()),
     pa.field("acceptance", pa.float64()),
     pa.field("request_mix", LABEL),
+    pa.field("engine", LABEL),
+    pa.field("clients", pa.float64()),
+    pa.field("burst", pa.float64()),
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -179,6 +182,19 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                     mix = _hash_input(pd.Series(source["request_mix"]).fillna("").astype(str), True)
                     extra = _mix(extra ^ (mix + np.uint64(5) * _GOLDEN))
                 h = np.where(continuous, extra, h)
+        # an engine's costs and a closed-loop or burst load (absent or none/0: the hashes
+        # rows always had)
+        if "engine" in source:
+            engine = pd.Series(source["engine"]).fillna("none").astype(str).to_numpy()
+            loads = [np.nan_to_num(np.asarray(source[c], dtype=float)) if c in source else 0.0
+                     for c in ("clients", "burst")]  # fmt: skip
+            changed = (engine != "none") | (loads[0] != 0) | (loads[1] != 0)
+            if np.any(changed):
+                extra = _mix(h ^ _hash_input(pd.Series(engine), True))
+                for i, v in enumerate(loads):
+                    v = _hash_input(pd.Series(np.broadcast_to(v, engine.shape)), False)
+                    extra = _mix(extra ^ (v + np.uint64(i + 7) * _GOLDEN))
+                h = np.where(changed, extra, h)
         # measured timing makes other results of the same configuration; roofline rows keep
         # the hashes they always had
         if "timing" in source:

@@ -253,9 +253,10 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
-        elif name in ("serving_mode", "request_mix"):
+        elif name in ("serving_mode", "request_mix", "engine"):
             arrays.append(pa.nulls(n, field.type))
-        elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance"):
+        elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance", "clients",
+                      "burst"):  # fmt: skip
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "timing":
             arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))

@@ -8,10 +8,11 @@ runner layers, which read no configuration files themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import MAX_GPUS, one_of, positive_int
+from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
@@ -216,3 +217,9 @@ class ServingSweepSpec:
     request_mix: tuple[tuple[int, int, float], ...] = ()
     """Continuous batching: request classes ``(prompt, output_tokens, weight)`` replacing
     ``prompt_lens`` and ``output_tokens`` (empty: every request has those lengths)."""
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    """The inference engine's per-iteration costs (:mod:`stage_dse.spec.engine`)."""
+    clients: int = 0
+    """Continuous batching: a closed loop of this many users per replica (0: none)."""
+    burst: int = 0
+    """Continuous batching: this many requests sent at once to each replica (0: none)."""

@@ -67,7 +67,9 @@ def group_summary(results: pd.DataFrame, pairs: pd.DataFrame | None = None) -> p
     pairs = ranking_pairs(results) if pairs is None else pairs
     rows = []
     for group, grp in results.groupby("group", sort=True):
-        have = grp[grp["status"].isin(("ok", "oom"))]
+        # a case judged out of memory counts when the model still predicts it (training's
+        # fastest plan); a serving case where no request fits has no figure to compare
+        have = grp[grp["status"].isin(("ok", "oom")) & grp["err_pct"].notna()]
         err = have["err_pct"].to_numpy(dtype=float)
         row = {
             "group": group,
