@@ -10,6 +10,7 @@ import json
 
 import pytest
 import sympy as sp
+from conftest import llama
 
 from stage_dse.cli.trace import config_from_row
 from stage_dse.config import load_cluster, load_hardware, load_model
@@ -98,20 +99,9 @@ def test_qwen3_moe_and_llama4_layouts():
 
 
 def interleaved(**kw) -> ModelSpec:
+    """A small MoE model with a leading dense layer and MoE on every second layer after it."""
     base = dict(
         name="interleave_test",
-        num_layers=7,
-        hidden_size=256,
-        ffn_hidden_size=1024,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=1024,
-        norm="rmsnorm",
-        mlp="swiglu",
-        position="rope",
-        tied_embeddings=False,
-        bias=False,
-        dropout=False,
         num_experts=8,
         top_k=2,
         moe_ffn_hidden_size=128,
@@ -119,7 +109,8 @@ def interleaved(**kw) -> ModelSpec:
         first_dense_layers=1,
         moe_layer_interval=2,
     )
-    return ModelSpec(**{**base, **kw})
+    small = llama(layers=7, hidden=256, heads=4, kv_heads=2, ffn=1024, vocab=1024)
+    return small.replace(**{**base, **kw})
 
 
 def test_interleave_layer_pattern():

@@ -209,11 +209,11 @@ def continuous_batching(
     def slot_rate(limit, rows=everyone):
         """The largest rate whose running requests stay within ``limit`` (and the budget)."""
         lo, hi = np.zeros(len(rows)), r_tok[rows].copy()
-        closed = np.zeros(n_rows, dtype=bool)
-        fits = _running(count, rows, hi, closed) <= limit[rows]
+        closed = np.zeros(len(rows), dtype=bool)
+        fits = count_rows(rows, hi, closed)[3] <= limit[rows]
         for _ in range(_BISECT):
             mid = 0.5 * (lo + hi)
-            under = _running(count, rows, mid, closed) <= limit[rows]
+            under = count_rows(rows, mid, closed)[3] <= limit[rows]
             lo, hi = np.where(under, mid, lo), np.where(under, hi, mid)
         return np.where(fits, r_tok[rows], lo)
 
@@ -434,12 +434,6 @@ def continuous_batching(
     kept = ("cb_kv_capacity_seqs", "cb_working_bytes", "cb_load", "cb_bound")
     out.loc[~ok, [c for c in out.columns if c not in kept]] = np.nan
     return out
-
-
-def _running(count, rows, r, closed) -> np.ndarray:
-    full = np.zeros(len(closed))
-    full[rows] = r
-    return count(full, closed)[3][rows]
 
 
 def _at(lengths: dict, rows) -> dict:
