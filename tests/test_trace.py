@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import gpt, llama
 
-from stage_dse.cli.trace import estimate_trace_bytes, select_and_write
+from stage_dse.cli.trace import estimate_trace_bytes, parse_bytes, select_and_write
 from stage_dse.cli.trace import main as trace_main
 from stage_dse.config import load_cluster, load_hardware
 from stage_dse.cost.bind import evaluate_plan
@@ -631,9 +631,9 @@ def test_select_refuses_above_max_bytes_before_writing(small_results):
 def test_interrupted_select_keeps_finished_sets_and_removes_the_partial_one(
     small_results, monkeypatch
 ):
-    import stage_dse.cli.trace as cli_trace
+    import stage_dse.trace.select as trace_select
 
-    real = cli_trace.write_trace_set
+    real = trace_select.write_trace_set
     calls = []
 
     def interrupted(cfg, out, **kw):
@@ -644,7 +644,7 @@ def test_interrupted_select_keeps_finished_sets_and_removes_the_partial_one(
             raise KeyboardInterrupt
         return real(cfg, out, **kw)
 
-    monkeypatch.setattr(cli_trace, "write_trace_set", interrupted)
+    monkeypatch.setattr(trace_select, "write_trace_set", interrupted)
     lines = []
     with pytest.raises(KeyboardInterrupt):
         select_and_write(small_results, top=3, log=lines.append)
@@ -679,3 +679,93 @@ def test_trace_config_takes_options_before_or_after_the_overrides(tmp_path, caps
     capsys.readouterr()
     assert trace_main(["config", str(tmp_path / "x"), *common, "--stpes", "2"]) == 2
     assert "unrecognized arguments: --stpes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- bad trace inputs
+CONFIG_TRAINING = ["model=llama3_8b", "num_gpus=[8]", "plan.tp=[2]", "plan.pp=[2]",
+                   "plan.micro_batch_size=[1]", "plan.zero_stage=[1]", "plan.recompute=[full]",
+                   "plan.sequence_parallel=[true]",
+                   "training.global_batch_size=8", "training.seq_len=1024"]  # fmt: skip
+CONFIG_SERVING = ["workload=serving", "model=llama3_8b", "serving.tp=[2]", "serving.pp=[1]",
+                  "serving.batch_size=[2]", "serving.prompt_len=[128]"]  # fmt: skip
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stage-dse-trace: error: "), err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize("overrides", [CONFIG_TRAINING, CONFIG_SERVING], ids=["train", "serve"])
+def test_trace_config_refuses_a_set_above_max_bytes(tmp_path, capsys, overrides):
+    out = tmp_path / "t"
+    assert trace_main(["config", str(out), *overrides, "--max-bytes", "10K"]) == 2
+    line = _one_error_line(capsys)
+    assert "above --max-bytes" in line and "raise --max-bytes" in line
+    assert not out.exists()
+    assert trace_main(["config", str(out), *overrides, "--max-bytes", "1G"]) == 0
+    assert "1 trace set selected, about" in capsys.readouterr().out
+    assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_trace_config_steps_must_be_positive(tmp_path, capsys, value):
+    assert trace_main(["config", str(tmp_path / "t"), *CONFIG_SERVING, "--steps", value]) == 2
+    assert f"--steps {value}: give the number of decode steps" in _one_error_line(capsys)
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "lots", "inf", "nanG"])
+def test_max_bytes_must_be_a_positive_size(value):
+    with pytest.raises(ConfigError, match="--max-bytes"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("text,expected", [("2G", 2**31), ("500M", 500 * 2**20), ("1.5KiB", 1536)])
+def test_max_bytes_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def _corrupt(good: Path, dest: Path, how: str) -> Path:
+    import shutil
+
+    shutil.copytree(good, dest)
+    f = dest / "trace.0.et"
+    data = f.read_bytes()
+    if how == "truncated":
+        f.write_bytes(data[:-7])
+    elif how == "cut at a node":
+        meta, nodes = decode(f)
+        rewrite(f, meta, nodes[:-2])
+    elif how == "garbled":
+        f.write_bytes(data[:20] + bytes(b ^ 0xA5 for b in data[20:60]) + data[60:])
+    elif how == "empty":
+        f.write_bytes(b"")
+    elif how == "missing rank":
+        (dest / "trace.3.et").unlink()
+    elif how == "stray file":
+        (dest / "trace.x.et").write_bytes(data)
+    return dest
+
+
+@pytest.mark.parametrize(
+    "how", ["truncated", "cut at a node", "garbled", "empty", "missing rank", "stray file"]
+)
+def test_replay_of_a_corrupted_set_is_one_line(good_set, tmp_path, capsys, how):
+    bad = _corrupt(good_set, tmp_path / "bad", how)
+    assert trace_main(["replay", str(bad)]) == 2
+    line = _one_error_line(capsys)
+    assert "replay_step_s" not in capsys.readouterr().out
+    word = {"missing rank": "missing", "stray file": "not a rank file"}.get(how, "")
+    assert word in line and ("write the set again" in line or how == "stray file")
+    with pytest.raises(ConfigError):
+        from stage_dse.trace.replay import replay_trace_dir
+
+        replay_trace_dir(bad, all_ranks=True)
+
+
+def test_check_of_a_garbled_file_is_one_line(good_set, tmp_path, capsys):
+    bad = _corrupt(good_set, tmp_path / "bad", "garbled")
+    assert trace_main(["check", str(bad)]) == 2
+    assert "trace.0.et: not a readable trace file" in _one_error_line(capsys)

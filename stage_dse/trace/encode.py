@@ -135,6 +135,8 @@ def frame(message: bytes) -> bytes:
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     shift = result = 0
     while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("a length runs past the end of the file")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -144,22 +146,45 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def read_trace(path: str | Path):
-    """(GlobalMetadata, iterator of Node) of one ``<prefix>.<rank>.et`` file."""
+    """(GlobalMetadata, iterator of Node) of one ``<prefix>.<rank>.et`` file. A file that is
+    truncated or does not decode raises a ``ConfigError`` naming it (while iterating, for a
+    node past the metadata)."""
+    from google.protobuf.message import DecodeError
+
+    from stage_dse.errors import ConfigError
     from stage_dse.trace import et_def_pb2 as pb
 
+    def corrupt(at: int, why: str) -> ConfigError:
+        return ConfigError(
+            f"{path}: not a readable trace file at byte {at} ({why}): truncated or corrupted; "
+            "write the set again"
+        )
+
     data = Path(path).read_bytes()
-    n, pos = _read_varint(data, 0)
+
+    def message(msg, p: int) -> int:
+        try:
+            size, start = _read_varint(data, p)
+        except ValueError as exc:
+            raise corrupt(p, str(exc)) from None
+        if start + size > len(data):
+            raise corrupt(p, f"a {size}-byte message runs past the end of the file")
+        try:
+            msg.ParseFromString(data[start : start + size])
+        except DecodeError as exc:
+            raise corrupt(p, str(exc).split(": ")[-1]) from None
+        return start + size
+
     meta = pb.GlobalMetadata()
-    meta.ParseFromString(data[pos : pos + n])
-    pos += n
+    if not data:
+        raise corrupt(0, "empty file")
+    pos = message(meta, 0)
 
     def nodes() -> Iterator[pb.Node]:
         p = pos
         while p < len(data):
-            size, p = _read_varint(data, p)
             msg = pb.Node()
-            msg.ParseFromString(data[p : p + size])
-            p += size
+            p = message(msg, p)
             yield msg
 
     return meta, nodes()

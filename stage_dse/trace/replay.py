@@ -98,6 +98,61 @@ def _parse(path: Path, rank: int) -> _Rank:
     return r
 
 
+def _rank_files(path: Path, prefix: str, manifest: dict) -> dict[int, Path]:
+    """Every rank's file, checked against the manifest: ranks 0..N-1 all present and, when
+    the manifest records it, the bytes it says were written (a truncated or rewritten file
+    changes them)."""
+    files: dict[int, Path] = {}
+    for p in path.glob(f"{prefix}.*.et"):
+        rank = p.name[len(prefix) + 1 : -3]
+        if not rank.isdigit():
+            raise ConfigError(f"{p}: not a rank file name ({prefix}.<rank>.et)")
+        files[int(rank)] = p
+    if not files:
+        raise ConfigError(f"{path} holds no {prefix}.<rank>.et files")
+    world = int(manifest.get("ranks", max(files) + 1))
+    missing = [r for r in range(world) if r not in files]
+    extra = sorted(r for r in files if r >= world)
+    if missing or extra:
+        what = (
+            f"{len(missing)} of {world} rank files missing (first: {prefix}.{missing[0]}.et)"
+            if missing
+            else f"rank files beyond the {world} ranks of its manifest ({prefix}.{extra[0]}.et)"
+        )
+        raise ConfigError(f"{path}: {what}; write the set again")
+    want = manifest.get("total_bytes")
+    if want is not None:
+        got = sum(p.stat().st_size for p in files.values())
+        if got != int(want):
+            raise ConfigError(
+                f"{path}: rank files hold {got} bytes, the manifest says {want}: a file is "
+                "truncated or was changed; write the set again (stage-dse-trace check DIR "
+                "names the file)"
+            )
+    return files
+
+
+def _check_counts(ranks: dict[int, _Rank], manifest: dict, files: dict[int, Path]) -> None:
+    """Each simulated rank holds the nodes of its stage's template, by type, as written."""
+    per_stage = manifest.get("nodes_per_stage")
+    stride, pp = manifest.get("pp_stride"), manifest.get("plan", {}).get("pp")
+    if not per_stage or not stride or not pp or len(per_stage) != pp:
+        return
+    names = {int(_COMP): "COMP_NODE", int(_COLL): "COMM_COLL_NODE"}
+    names |= {int(_SEND): "COMM_SEND_NODE", int(_RECV): "COMM_RECV_NODE"}
+    for r, x in ranks.items():
+        got: dict[str, int] = defaultdict(int)
+        for k in x.kind:
+            got[names.get(int(k), str(k))] += 1
+        want = {k: v for k, v in per_stage[(r // stride) % pp].items() if v}
+        if dict(got) != want:
+            raise ConfigError(
+                f"{files[r]}: {sum(got.values())} nodes, its stage was written with "
+                f"{sum(want.values())} (by type {dict(got)} vs {want}): the file is corrupted; "
+                "write the set again"
+            )
+
+
 def replay_trace_dir(path: str | Path, all_ranks: bool = False) -> ReplayResult:
     """Replay a trace set folder (see the module doc for the rules)."""
     path = Path(path)
@@ -107,9 +162,7 @@ def replay_trace_dir(path: str | Path, all_ranks: bool = False) -> ReplayResult:
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     prefix = manifest.get("file_prefix", "trace")
     groups = {int(k): v for k, v in json.loads((path / "comm_groups.json").read_text()).items()}
-    files = {int(p.name.split(".")[-2]): p for p in path.glob(f"{prefix}.*.et")}
-    if not files:
-        raise ConfigError(f"{path} holds no {prefix}.<rank>.et files")
+    files = _rank_files(path, prefix, manifest)
     world = len(files)
     stride = manifest.get("pp_stride")
     pp = manifest.get("plan", {}).get("pp")
@@ -119,6 +172,7 @@ def replay_trace_dir(path: str | Path, all_ranks: bool = False) -> ReplayResult:
         simulated = [s * stride for s in range(pp) if s * stride < world]
     sim = set(simulated)
     ranks = {r: _parse(files[r], r) for r in simulated}
+    _check_counts(ranks, manifest, files)
 
     finish: dict[int, list[float | None]] = {r: [None] * len(x.ids) for r, x in ranks.items()}
     waiting: dict[int, list[int]] = {r: [len(d) for d in x.deps] for r, x in ranks.items()}

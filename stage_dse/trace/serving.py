@@ -65,6 +65,8 @@ def write_serving_trace(
 
     if phase not in ("decode", "prefill"):
         raise ConfigError(f"serving.phase must be decode or prefill, got {phase!r}")
+    if steps < 1:
+        raise ConfigError(f"steps (decode steps to write) must be >= 1, got {steps}")
     if phase == "prefill":
         steps = 1  # one pass over the prompts of the batch
     key = serving_key(model, serving, plan)
