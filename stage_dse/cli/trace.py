@@ -7,8 +7,13 @@ Subcommands:
   ``trace_dir`` and ``trace_replay_s`` filled as its set is finished (each touched part file is
   rewritten atomically under its own name); refused when the estimated size is above
   ``--max-bytes``;
-* ``config OUT [hydra overrides]``: one trace set for a single configuration composed from the
-  same config groups as ``stage-dse`` (every plan axis must have one value);
+* ``simulate RESULTS [the selectors of select] [--backend ...] [--astra-bin DIR] [--local |
+  --address A]``: the selected rows through network simulators on Ray (trace sets written
+  where missing), one row per result row and backend in ``RESULTS/_sim/`` (see
+  :mod:`stage_dse.trace.simulate`);
+* ``config OUT [hydra overrides] [--max-bytes N]``: one trace set for a single configuration
+  composed from the same config groups as ``stage-dse`` (every plan axis must have one value),
+  refused when its estimated size is above ``--max-bytes``;
 * ``check DIR``: decode and verify a set (exit 1 with the problems found);
 * ``replay DIR``: critical-path replay of a set beside the cost model's step time;
 * ``json FILE``: one node per line, for debugging.
@@ -157,6 +162,32 @@ def _config_mode(
     return TraceConfig(spec.models[0], spec.training, plan, spec.hardware[0], cluster, granularity)
 
 
+def _simulate(args) -> None:
+    from stage_dse.runner.executors import LocalExecutor, RayExecutor
+    from stage_dse.trace.simulate import simulate
+
+    executor = LocalExecutor() if args.local else RayExecutor(address=args.address)
+    try:
+        simulate(
+            args.results,
+            args.top,
+            args.by,
+            args.where,
+            args.hash,
+            args.run,
+            max_bytes=parse_bytes(args.max_bytes),
+            backends=args.backend,
+            astra_bin=args.astra_bin,
+            timeout_s=args.timeout_s,
+            compute=args.compute,
+            executor=executor,
+            granularity=args.granularity,
+            retry_failed=args.retry_failed,
+        )
+    finally:
+        executor.close()
+
+
 @one_line_errors("stage-dse-trace")
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="stage-dse-trace", description=__doc__.splitlines()[0])
@@ -175,6 +206,47 @@ def main(argv: list[str] | None = None) -> int:
     p_sel.add_argument("--hash", nargs="+", default=None)
     p_sel.add_argument("--granularity", default="segment", choices=["segment", "op"])
     p_sel.add_argument("--ray", action="store_true", help="write rank ranges as Ray tasks")
+    p_sim = sub.add_parser(
+        "simulate", help="run the selected rows through network simulators (results in _sim/)"
+    )
+    p_sim.add_argument("results")
+    p_sim.add_argument("--top", type=int, default=None)
+    p_sim.add_argument("--by", default="step_s")
+    p_sim.add_argument("--where", default=None, help="pandas query over result columns")
+    p_sim.add_argument(
+        "--run", default=None, help="only rows evaluated by this run id ('latest': the newest)"
+    )
+    p_sim.add_argument("--hash", nargs="+", default=None)
+    p_sim.add_argument(
+        "--max-bytes", default="2G", help="refuse trace sets to write estimated above this"
+    )
+    p_sim.add_argument("--granularity", default="segment", choices=["segment", "op"])
+    p_sim.add_argument(
+        "--backend",
+        nargs="+",
+        default=None,
+        help="replay, astra_unaware, astra_aware (default: replay and each ASTRA-sim binary found)",
+    )
+    p_sim.add_argument(
+        "--astra-bin",
+        default=None,
+        help="folder of the AstraSim_Analytical_Congestion_* binaries (or $STAGE_DSE_ASTRA_BIN)",
+    )
+    p_sim.add_argument(
+        "--timeout-s", type=float, default=600.0, help="a simulator run longer than this fails"
+    )
+    p_sim.add_argument(
+        "--compute",
+        default="replay",
+        choices=["replay", "roofline"],
+        help="ASTRA-sim times COMP nodes from the trace's durations or by its roofline",
+    )
+    p_sim.add_argument("--retry-failed", action="store_true", help="run failed rows again")
+    where = p_sim.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run in this process, not on Ray")
+    where.add_argument(
+        "--address", default=None, help="an existing Ray cluster (auto, ray://host:port)"
+    )
     p_cfg = sub.add_parser("config", help="trace one configuration given as Hydra overrides")
     p_cfg.add_argument("out")
     p_cfg.add_argument("overrides", nargs="*")
@@ -222,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if executor is not None:
                 executor.close()
+    elif args.cmd == "simulate":
+        _simulate(args)
     elif args.cmd == "config":
         cfg = _config_mode(
             args.out, args.overrides, args.granularity, args.steps, parse_bytes(args.max_bytes)

@@ -83,9 +83,18 @@ def symbol_subs(values: dict[str, float]) -> dict[sp.Symbol, float]:
     return {Symbols.all()[k]: v for k, v in values.items()}
 
 
-def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
-    subs = symbol_subs(config_values(cfg) if values is None else values)
-    order = cfg.plan.rank_order
+_NUMBER_FNS: dict[tuple, tuple[list[Op], object]] = {}
+"""Lambdified numbers of an op list, by its ops' identities, rank order and symbols: graphs are
+cached per plan structure (:func:`stage_dse.graph.transformer.build_graphs`), so the sets of
+a farm or a selection that share one reuse its function (printing it is most of a set's
+cost); the ops are kept with it so an identity is never reused by another list."""
+
+
+def _number_fn(ops: list[Op], order, args: list) -> object:
+    key = (tuple(id(op) for op in ops), tuple(order), tuple(args))
+    hit = _NUMBER_FNS.get(key)
+    if hit is not None and len(hit[0]) == len(ops) and all(a is b for a, b in zip(hit[0], ops)):
+        return hit[1]
     exprs = []
     for op in ops:
         t = (
@@ -94,8 +103,17 @@ def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNu
             else _compute_time(op)
         )
         exprs.extend([op.flops, op.bytes, op.comm_bytes, t])
-    args = list(subs)
     fn = sp.lambdify(args, exprs, modules="numpy")
+    if len(_NUMBER_FNS) >= 64:
+        _NUMBER_FNS.pop(next(iter(_NUMBER_FNS)))
+    _NUMBER_FNS[key] = (list(ops), fn)
+    return fn
+
+
+def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
+    subs = symbol_subs(config_values(cfg) if values is None else values)
+    args = list(subs)
+    fn = _number_fn(ops, cfg.plan.rank_order, args)
     vals = np.asarray(fn(*[subs[a] for a in args]), dtype=np.float64).reshape(len(ops), 4)
     out = {}
     for op, (f, b, c, t) in zip(ops, vals):
