@@ -106,6 +106,8 @@ class SimSummary:
     written_sets: int = 0
     task_cpu_s: float = 0.0
     """CPU seconds of the tasks (trace writing and simulator runs), wherever they ran."""
+    task_wall_s: float = 0.0
+    """Wall seconds the tasks ran: over ``wall_s`` x workers, how full the farm kept them."""
     wall_s: float = 0.0
     ratios: dict[str, list[float]] = field(default_factory=dict)
 
@@ -245,6 +247,7 @@ def run_job(job: SimJob) -> dict:
     """Write the row's set if asked, then run each backend; never raises for a backend."""
     from stage_dse.trace.write import write_trace_set
 
+    wall0 = time.perf_counter()
     out: dict = {"config_hash": job.config_hash, "written": False, "rows": [], "cpu_s": 0.0}
     trace_dir = job.trace_dir
     base = Path(job.results) / "_sim" / RUNS_DIR / job.config_hash
@@ -303,6 +306,7 @@ def run_job(job: SimJob) -> dict:
                 "sim_run_id": job.run_id,
             }
         )
+    out["wall_s"] = time.perf_counter() - wall0
     return out
 
 
@@ -469,6 +473,7 @@ def _run(jobs: list[SimJob], executor, sim: SimStore, store, summary: SimSummary
                 trace_dirs[job.config_hash] = f"{TRACES_DIR}/{job.config_hash}"
                 replays[job.config_hash] = result.get("trace_replay_s")
             summary.task_cpu_s += result["cpu_s"]
+            summary.task_wall_s += result.get("wall_s", 0.0)
             for row in result["rows"]:
                 pending_rows.append(row)
                 b = row["sim_backend"]
