@@ -70,6 +70,8 @@ class ModelConf:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    sliding_window: int = 0
+    full_attention_interval: int = 0
 
 
 @dataclass

@@ -43,7 +43,7 @@ from stage_dse.cost.recompute import (
 )
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase, Tensor
-from stage_dse.graph.layers import dense_layers_among
+from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
 from stage_dse.spec import (
@@ -294,6 +294,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     emb = section_costs(graphs.embed)
     blk = section_costs(graphs.block)
     dns = section_costs(graphs.dense) if graphs.dense is not None else None
+    win = section_costs(graphs.windowed) if graphs.windowed is not None else None
     head = section_costs(graphs.head, tied_copy=graphs.tied_head_weight)
 
     L, pp, v = S.layers, S.pp, S.virtual_stages
@@ -312,11 +313,17 @@ def _derive(key: CostKey) -> TrainingCosts:
     # or interleaved (on every stage), as dense_layers_among counts them; middle stages hold
     # the most MoE layers their length allows (leading dense layers beyond the first stage
     # are lighter)
+    # (sliding-window layers count as their full-attention twin plus what the window changes:
+    # the windowed section once more and the full one once less; weights and the MLPs cancel)
     def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionCosts, sp.Expr]]:
-        if dns is None:
-            return [(blk, layers)]
-        dense = dense_layers_among(layers, where)
-        return [(dns, dense), (blk, layers - dense)]
+        parts = [(blk, layers)]
+        if dns is not None:
+            dense = dense_layers_among(layers, where)
+            parts = [(dns, dense), (blk, layers - dense)]
+        if win is not None:
+            windowed = windowed_layers_among(layers, where)
+            parts += [(win, windowed), (blk, -windowed)]
+        return parts
 
     # (section, count) of the whole model, the first stage and the last stage
     whole = [(emb, 1), *layer_parts(L, "whole"), (head, 1)]

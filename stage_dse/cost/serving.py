@@ -21,6 +21,12 @@ of serving configurations. No I/O.
   every rank) and pipeline stages (layers). The capacity is how many sequences of
   ``prompt + output_tokens`` fit in the memory left after weights and the prefill working set
   (the peak of one layer's live activations in prefill, buffers reused as they die).
+* Sliding-window layers (``ModelSpec.sliding_window``) attend over the band in prefill (the
+  kernel skips the tiles outside it) and over at most ``window`` cached positions in decode,
+  and cache at most ``window`` positions per sequence: per GPU the cache of a sequence is
+  that of its stage's full-attention layers at the sequence's length plus its windowed ones
+  at ``min(length, window)``; ``serve_kv_bytes_per_token`` is the whole model's cache of a
+  ``prompt + output_tokens`` sequence per token of it.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from stage_dse.cost.time import (
 )
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, OpKind, Phase, Region, Role
-from stage_dse.graph.layers import dense_layers_among
+from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
@@ -201,11 +207,19 @@ def _program(key: ServingKey, measured: bool):
         head = _forward(graphs.head, key.rank_order, measure)
         dns = _forward(graphs.dense, key.rank_order, measure) if graphs.dense is not None else None
         n_dense = dense_layers_among(L, "whole") if dns is not None else 0
+        win = None
+        if graphs.windowed is not None:
+            win = _forward(graphs.windowed, key.rank_order, measure)
+        n_win = windowed_layers_among(L, "whole") if win is not None else 0
         boundary = graphs.boundary.local_bytes
         hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
 
-        def total(field: str, emb=emb, blk=blk, head=head, dns=dns, n_dense=n_dense) -> sp.Expr:
+        def total(
+            field: str, emb=emb, blk=blk, head=head, dns=dns, n_dense=n_dense, win=win, n_win=n_win
+        ) -> sp.Expr:
             t = emb[field] + (L - n_dense) * blk[field] + head[field]
+            if win is not None:  # what the window changes in each windowed layer
+                t += n_win * (win[field] - blk[field])
             return t + (n_dense * dns[field] if dns is not None else 0)
 
         passes[mode] = {
@@ -239,11 +253,28 @@ def _program(key: ServingKey, measured: bool):
     per_token_layer_gpu = dec["kv_local"] / (S.micro_batch * S.context)
     seq_len = S.prompt + S.output_tokens
     kv_per_seq_gpu = seq_len * per_token_layer_gpu * per_stage
+    kv_layers = L  # layers' worth of full-length caches per sequence, the whole model
+    if key.graph.sliding_window:
+        # a windowed layer caches at most ``window`` positions: each stage's full-attention
+        # layers hold the sequence, its windowed ones min(sequence, window)
+        cached = sp.Min(seq_len, S.window) / seq_len
+
+        def stage_kv(layers: sp.Expr, where: str) -> sp.Expr:
+            n_win = windowed_layers_among(layers, where)
+            return layers - n_win + n_win * cached
+
+        per_stage = sp.Max(
+            stage_kv(S.first_layers, "first"),
+            stage_kv(S.last_layers, "last"),
+            stage_kv(S.mid_layers, "mid"),
+        )
+        kv_per_seq_gpu = seq_len * per_token_layer_gpu * per_stage
+        kv_layers = stage_kv(L, "whole")
     gpus = S.tp * S.pp * S.dp  # dp > 1 only as expert parallelism's attention ranks
     out["serve_ttft_s"] = pre["time"]
     out["serve_tpot_s"] = dec["time"]
     out["serve_tokens_per_s_per_gpu"] = pp * batch / dec["time"] / gpus
-    out["serve_kv_bytes_per_token"] = L * per_token_layer
+    out["serve_kv_bytes_per_token"] = kv_layers * per_token_layer
     out["serve_kv_cache_bytes"] = pp * S.micro_batch * kv_per_seq_gpu
     out["serve_working_bytes"] = pre["working"]
     out["serve_mem_total_bytes"] = (
@@ -431,6 +462,8 @@ class _Measure:
             kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
             return self._time(kernel) / clock + quantize
         if op.kind is OpKind.ATTENTION:
+            if S.window in op.executed_fraction.free_symbols:
+                return _compute_time(op)  # banded prefill: the tables hold full causal runs
             return self._time(self._attention(op)) / clock
         return _compute_time(op)
 

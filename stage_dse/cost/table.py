@@ -64,6 +64,7 @@ MODEL_KEY_COLUMNS = (
     "has_shared_experts",
     "has_dense_layers",
     "mla",
+    "sliding_window",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -105,6 +106,7 @@ def key_from_values(v: dict) -> CostKey:
         dense_layers=bool(v["has_dense_layers"]),
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
         mla=bool(v["mla"]),
+        sliding_window=bool(v["sliding_window"]),
     )
     return CostKey(
         graph=graph,
@@ -135,6 +137,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "has_shared_experts": model.num_shared_experts > 0,
         "has_dense_layers": model.has_dense_layers,
         "mla": model.is_mla,
+        "sliding_window": model.has_sliding_window,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,

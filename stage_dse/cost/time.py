@@ -97,7 +97,7 @@ from stage_dse.cost.recompute import is_linear, recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
-from stage_dse.graph.layers import dense_layers_among
+from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
@@ -464,18 +464,28 @@ def _derive_time(key: CostKey, measured: bool):
         sections[label] = SectionTime(
             **{f: define(f"{label}_{f}", getattr(st, f)) for f in SectionTime.__dataclass_fields__}
         )
+    if graphs.windowed is not None:
+        st = section_time(graphs.windowed, key, kernels)
+        sections["win"] = SectionTime(
+            **{f: define(f"win_{f}", getattr(st, f)) for f in SectionTime.__dataclass_fields__}
+        )
     emb, blk, head = sections["emb"], sections["blk"], sections["head"]
-    dns = sections.get("dns")
+    dns, win = sections.get("dns"), sections.get("win")
     pp, v = S.pp, S.virtual_stages
     single = _max(0, 2 - pp)
     has_mid = _min(1, _max(0, pp - 2))
 
     def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionTime, sp.Expr]]:
-        """Dense-MLP and MoE layers of a stage (stage_dse.graph.layers.dense_layers_among)."""
-        if dns is None:
-            return [(blk, layers)]
-        dense = dense_layers_among(layers, where)
-        return [(blk, layers - dense), (dns, dense)]
+        """Dense-MLP and MoE layers of a stage (stage_dse.graph.layers.dense_layers_among),
+        and what the window changes in its sliding-window ones (windowed_layers_among)."""
+        parts = [(blk, layers)]
+        if dns is not None:
+            dense = dense_layers_among(layers, where)
+            parts = [(blk, layers - dense), (dns, dense)]
+        if win is not None:
+            windowed = windowed_layers_among(layers, where)
+            parts += [(win, windowed), (blk, -windowed)]
+        return parts
 
     m = S.global_batch / (S.dp * S.micro_batch)
 

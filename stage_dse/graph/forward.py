@@ -32,7 +32,7 @@ from stage_dse.graph.ir import (
 from stage_dse.graph.layout import LayoutOps
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["ATTENTION_TILE", "ForwardOps", "causal_fraction"]
+__all__ = ["ATTENTION_TILE", "ForwardOps", "banded_fraction", "causal_fraction"]
 
 ATTENTION_TILE = 128
 """Query/key block of fused attention kernels: FlashAttention-2 uses 128 x 128 tiles for
@@ -44,6 +44,15 @@ def causal_fraction(seq: sp.Expr, tile: int = ATTENTION_TILE) -> sp.Expr:
     tile rows, row ``i`` computes ``i + 1`` tiles (the diagonal tile whole), ``(T + 1) / 2T``
     = ``1/2 + tile / (2 seq)``; 1 when the sequence fits in one tile."""
     return sp.Min(1, sp.Rational(1, 2) + sp.Rational(tile, 2) / seq, evaluate=False)
+
+
+def banded_fraction(seq: sp.Expr, window: sp.Expr, tile: int = ATTENTION_TILE) -> sp.Expr:
+    """Share of the ``seq x seq`` score tiles a causal kernel with a sliding window of
+    ``window`` positions computes: a tile row reaches back over the window, ``window / tile +
+    1`` tiles with the diagonal one (FlashAttention-2's ``window_size`` skips the tiles left
+    of the band, as it skips those above the diagonal), so ``(window + tile) / seq``, never
+    more than the causal share (:func:`causal_fraction`)."""
+    return sp.Min(causal_fraction(seq, tile), (window + tile) / seq, evaluate=False)
 
 
 class ForwardOps(LayoutOps):
@@ -312,12 +321,14 @@ class ForwardOps(LayoutOps):
         stat_axes: Sequence[Axis],
         *,
         causal: bool = False,
+        window: sp.Expr | None = None,
     ) -> Tensor:
         """Fused attention kernel: o = softmax(q k^T) v without materializing scores.
 
         Keys and values are needed whole along the key sequence (context parallel ring exchange
         gathers them). Saves q, k, v, o and the fp32 log-sum-exp; backward reruns q k^T.
-        ``causal``: the kernel skips key tiles above the diagonal (:func:`causal_fraction`).
+        ``causal``: the kernel skips key tiles above the diagonal (:func:`causal_fraction`);
+        with a sliding ``window`` also those left of the band (:func:`banded_fraction`).
         """
         k_layout = [() if ax == seq_k else ms for ax, ms in zip(k.axes, k.layout)]
         v_layout = [() if ax == seq_k else ms for ax, ms in zip(v.axes, v.layout)]
@@ -356,7 +367,13 @@ class ForwardOps(LayoutOps):
                 + lse.local_bytes,
                 saved=(q, k2, v2, out, lse),
                 matmul=True,
-                executed_fraction=causal_fraction(seq_q.extent) if causal else sp.Integer(1),
+                executed_fraction=(
+                    sp.Integer(1)
+                    if not causal
+                    else causal_fraction(seq_q.extent)
+                    if window is None
+                    else banded_fraction(seq_q.extent, window)
+                ),
                 axes_iter=tuple(idx),
                 layout_iter=tuple(lay[ax] for ax in idx),
             )

@@ -1,4 +1,5 @@
-"""Which layers of a mixture-of-experts model are dense and which MoE, over the symbols.
+"""Which layers of a model are dense and which MoE, and which attend over a sliding window,
+over the symbols.
 
 A model with a dense section (:attr:`stage_dse.graph.transformer.ModelGraphs.dense`) has
 ``dense_layers`` leading dense-MLP layers and, after them, an MoE layer every
@@ -7,6 +8,13 @@ Maverick alternates them). The cost programs (training memory, flops and time, s
 and weights) count a stage's layers of each kind with :func:`dense_layers_among`; the trace
 writer places them layer by layer with :meth:`stage_dse.spec.ModelSpec.is_moe_layer`, and the
 two agree on the first and last stage of every split.
+
+A model with a sliding window (:attr:`stage_dse.graph.transformer.ModelGraphs.windowed`) has
+full attention on every ``full_interval``-th layer and the window on the others
+(:attr:`stage_dse.spec.ModelSpec.full_attention_interval`); :func:`windowed_layers_among`
+counts a stage's windowed layers the same way. The two patterns are independent: attention
+and MLP costs of a layer add, so a stage's cost is its dense and MoE layers' plus, for each
+windowed layer, the difference the window makes to attention.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import sympy as sp
 
 from stage_dse.graph.symbols import S
 
-__all__ = ["dense_layers_among"]
+__all__ = ["dense_layers_among", "windowed_layers_among"]
 
 
 def _moe_layers_in_first(n: sp.Expr) -> sp.Expr:
@@ -45,4 +53,19 @@ def dense_layers_among(layers: sp.Expr, where: str) -> sp.Expr:
         return layers - moe
     if where == "mid":
         return layers - sp.ceiling(layers / S.moe_interval)
+    raise ValueError(f"where={where!r}: one of whole, first, last, mid")
+
+
+def windowed_layers_among(layers: sp.Expr, where: str) -> sp.Expr:
+    """Sliding-window layers among ``layers`` consecutive layers of a model whose graphs have
+    a windowed section; ``where`` as for :func:`dense_layers_among` (a middle stage is counted
+    with as many full-attention layers as its length allows, ``ceil(layers / full_interval)``,
+    the heavier case)."""
+    k = S.full_interval
+    if where in ("whole", "first"):
+        return layers - sp.floor(layers / k)
+    if where == "last":
+        return layers - (sp.floor(S.layers / k) - sp.floor((S.layers - layers) / k))
+    if where == "mid":
+        return layers - sp.ceiling(layers / k)
     raise ValueError(f"where={where!r}: one of whole, first, last, mid")

@@ -50,6 +50,12 @@ class Symbols:
     """Leading dense-MLP layers of a mixture-of-experts model (``first_dense_layers``)."""
     moe_interval = _sym("moe_interval")
     """After them, every ``moe_interval``-th layer is MoE (``moe_layer_interval``; 1 otherwise)."""
+    # sliding-window attention (bound to 1 for other models, where they do not appear)
+    window = _sym("window")
+    """Positions a windowed attention layer attends to and caches (``sliding_window``)."""
+    full_interval = _sym("full_interval")
+    """Every ``full_interval``-th layer attends over the whole context, the others over the
+    window (``full_attention_interval``; ``layers + 1`` when every layer is windowed)."""
     # multi-head latent attention (bound to 1 for other models, where they do not appear)
     q_lora = _sym("q_lora")
     kv_lora = _sym("kv_lora")

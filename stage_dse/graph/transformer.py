@@ -72,6 +72,8 @@ class DIMS:
     positions = Axis("p", S.positions)
     context = Axis("t", S.context)
     """Serving: the key side of attention spans the context (cache) length."""
+    window_context = Axis("t", sp.Min(S.context, S.window))
+    """Serving, a sliding-window layer in decode: the positions it caches and attends to."""
     last = Axis("one", sp.Integer(1))
     """Serving: the one position whose logits are computed."""
     experts = Axis("e", S.experts)
@@ -115,6 +117,9 @@ class GraphKey:
     expert_tensor_parallel: bool = False
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
+    sliding_window: bool = False
+    """Some layers attend over a sliding window (a windowed block section;
+    :func:`stage_dse.graph.layers.windowed_layers_among` counts them)."""
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -136,6 +141,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
         mla=model.is_mla,
+        sliding_window=model.has_sliding_window,
     )
 
 
@@ -151,6 +157,11 @@ class ModelGraphs:
     """The head's copy of the word embeddings when they are tied (not a separate parameter)."""
     dense: Graph | None = None
     """A dense-MLP layer of a mixture-of-experts model that has some (leading or interleaved)."""
+    windowed: Graph | None = None
+    """A layer like ``block`` whose attention runs over the sliding window, in a model that has
+    one. Not one of :attr:`sections`: the cost programs add, per windowed layer, what the
+    window changes (``windowed - block``: attention and the KV cache; the MLPs cancel), so
+    windowed dense-MLP and MoE layers alike are counted."""
 
     @property
     def sections(self) -> tuple[Graph, ...]:
@@ -403,7 +414,13 @@ class _Builder:
         return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.ab)
 
     # ---------------------------------------------------------------- sections
-    def block(self, dense: bool = False) -> Graph:
+    def block(self, dense: bool = False, windowed: bool = False) -> Graph:
+        """One layer: dense MLP or MoE, full or sliding-window attention (``windowed``: the
+        fused kernel skips the tiles outside the band, :func:`stage_dse.graph.forward.
+        banded_fraction`; an unfused one computes every score and masks them, as eager
+        implementations do; in decode the layer caches and reads at most ``window``
+        positions). Attention sinks (gpt-oss: one learned logit per head joining the
+        softmax's denominator) are ``heads`` parameters and a term per row: not modelled."""
         g = self.g
         Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
         G, R, D = DIMS.groups, DIMS.rep, DIMS.head_dim
@@ -434,9 +451,12 @@ class _Builder:
                 if self.k.position is PositionKind.ROPE:
                     q = g.pointwise(ROPE, "q_rope", q)
                     k = g.pointwise(ROPE, "k_rope", k)
+                band = S.window if windowed else None
                 if self.serving:
-                    k, v = self.kv_cache(k, v)
                     Tk = DIMS.context
+                    if windowed and self.serving == "decode":
+                        Tk, band = DIMS.window_context, None
+                    k, v = self.kv_cache(k, v, Tk)
                 with g.region(Region.ATTENTION_CORE):
                     if self.k.attention is AttentionKernel.FLASH:
                         ctx = g.attention(
@@ -449,6 +469,7 @@ class _Builder:
                             [Bt, Sq, G, R, D],
                             [Bt, G, R, Sq],
                             causal=self.serving != "decode",
+                            window=band,
                         )
                     else:
                         scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
@@ -471,11 +492,12 @@ class _Builder:
                 self._step()
         return g
 
-    def kv_cache(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def kv_cache(self, k: Tensor, v: Tensor, T: Axis = DIMS.context) -> tuple[Tensor, Tensor]:
         """Serving: write the new keys/values into the cache; attention reads the whole cache
-        (``context`` positions). In prefill the new keys are the context itself."""
+        (``T``: ``context`` positions, at most the window in a windowed layer's decode). In
+        prefill the new keys are the context itself."""
         g = self.g
-        Bt, G, D, T = DIMS.batch, DIMS.groups, DIMS.head_dim, DIMS.context
+        Bt, G, D = DIMS.batch, DIMS.groups, DIMS.head_dim
         layout = [k.layout[0], (), k.layout[2], ()]
         caches = []
         for name, new in (("k_cache", k), ("v_cache", v)):
@@ -543,6 +565,9 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
     dense = None
     if key.moe and key.dense_layers:
         dense = _Builder(key, mode, kv_bytes).block(dense=True)
+    windowed = None
+    if key.sliding_window:
+        windowed = _Builder(key, mode, kv_bytes).block(windowed=True)
     head, tied = _Builder(key, mode, kv_bytes).head()
     assert block.block_input is not None
     return ModelGraphs(
@@ -553,6 +578,7 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
         boundary=block.block_input,
         tied_head_weight=tied,
         dense=dense,
+        windowed=windowed,
     )
 
 

@@ -99,6 +99,15 @@ class ModelSpec:
     """MLA: per-head rotary part of queries and keys (the key part is shared by all heads)."""
     v_head_dim: int = 0
     """MLA: per-head value width (0: ``head_dim``)."""
+    sliding_window: int = 0
+    """Tokens a windowed (banded) attention layer attends to: each query sees itself and the
+    ``sliding_window - 1`` positions before it, and the layer caches at most that many
+    positions per sequence. 0: every layer attends over the whole context."""
+    full_attention_interval: int = 0
+    """With ``sliding_window``: layer ``i`` (0-based) attends over the whole context when
+    ``(i + 1)`` is a multiple of k, the others over the window (gpt-oss: 2, windowed layers
+    0, 2, 4, ... as its config.json's ``layer_types``; Gemma 3: 6). 0: every layer is
+    windowed (Mistral-7B-v0.1)."""
 
     def __post_init__(self) -> None:
         owner = "model"
@@ -174,6 +183,37 @@ class ModelSpec:
                 f"model.num_kv_heads({self.num_kv_heads}) does not divide "
                 f"model.num_heads({self.num_heads})"
             )
+        self._check_window()
+
+    def _check_window(self) -> None:
+        for field in ("sliding_window", "full_attention_interval"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+                raise ConfigError(
+                    f"model.{field} must be >= 0 (an integer), got {getattr(self, field)!r}"
+                )
+        k = self.full_attention_interval
+        if self.sliding_window == 0:
+            if k:
+                raise ConfigError(
+                    f"model.full_attention_interval({k}) needs sliding_window > 0; leave it 0 "
+                    "for a model without windowed layers"
+                )
+            return
+        if self.is_mla:
+            raise ConfigError(
+                "model.sliding_window needs grouped-query attention, not latent attention "
+                "(q_lora_rank > 0); set sliding_window 0"
+            )
+        if k == 1:
+            raise ConfigError(
+                "model.full_attention_interval(1) leaves no windowed layer: use 0 (every layer "
+                "windowed) or >= 2, or set sliding_window 0"
+            )
+        if k > self.num_layers:
+            raise ConfigError(
+                f"model.full_attention_interval({k}) must be <= num_layers({self.num_layers}); "
+                "use 0 for every layer windowed"
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -205,6 +245,26 @@ class ModelSpec:
     def has_dense_layers(self) -> bool:
         """A mixture-of-experts model with some dense-MLP layers (a second block section)."""
         return self.is_moe and self.num_dense_layers > 0
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return self.sliding_window > 0
+
+    def is_windowed_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) attends over the sliding window (see
+        ``full_attention_interval``)."""
+        if not self.has_sliding_window:
+            return False
+        k = self.full_attention_interval
+        return k == 0 or (index + 1) % k != 0
+
+    @property
+    def num_windowed_layers(self) -> int:
+        """Layers attending over the sliding window (0 without one)."""
+        if not self.has_sliding_window:
+            return 0
+        k = self.full_attention_interval
+        return self.num_layers - (self.num_layers // k if k else 0)
 
     @property
     def gqa_group_size(self) -> int:
