@@ -66,6 +66,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("stage-dse", ["workload=serving", "serving.kv_dtype=fp4"], "kv_dtype"),
     ("stage-dse", ["workload=serving", "serving.ep=[2]"], "ep"),
     ("stage-dse", ["workload=serving", "serving.prompt_len=[-1]"], "prompt_len"),
+    ("stage-dse", ["runner.address=127.0.0.1:1"], "runner.address=127.0.0.1:1"),
+    ("stage-dse", ["runner.address=ray://127.0.0.1:1"], "runner.address=ray://127.0.0.1:1"),
+    ("stage-dse", ["runner.address=headnode"], "runner.address"),
+    ("stage-dse", ["runner=ray", "runner.address=auto"], "runner.address=auto"),
+    ("stage-dse", ["runner.connect_timeout_s=0"], "runner.connect_timeout_s"),
     ("stage-dse-trace", ["check", "{tmp}/missing"], "missing"),
     ("stage-dse-trace", ["replay", "{tmp}/missing"], "missing"),
     ("stage-dse-trace", ["json", "{tmp}/missing.et"], "missing.et"),
@@ -103,7 +108,9 @@ def run_case(script: str, args: list[str], needle: str, tmp: str) -> str | None:
         argv += [f"results_dir={tmp}/results"]
         if not any(a.startswith("runner") for a in args):
             argv += ["runner=local", "runner.progress=false"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # RAY_TMPDIR: no `ray start` address file of this machine is seen
+    env.update(PYTHONWARNINGS="ignore", HYDRA_FULL_ERROR="0", RAY_TMPDIR=tmp)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
     lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     if proc.returncode == 0:

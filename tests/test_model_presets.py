@@ -1,4 +1,4 @@
-"""Model presets of models served today (Qwen3, Mistral, DeepSeek-R1, GLM-4.5/4.6, GPT-J,
+"""Model presets of models served today (Qwen3, Mistral, DeepSeek-R1, GLM-4.5/4.6, GPT-J, gpt-oss,
 Llama 4) against their published parameter counts, and the interleave of dense and MoE layers
 (``moe_layer_interval``, Llama 4 Maverick) through parameters, per-stage costs, serving
 weights and traces."""
@@ -57,6 +57,10 @@ PUBLISHED = [
     # include the vision encoder, which the presets leave out (about 1% of Scout)
     ("llama4_scout", 109e9, 17e9, True, 0.015, "Llama 4 model card"),
     ("llama4_maverick", 400e9, 17e9, True, 0.015, "Llama 4 model card"),
+    # gpt-oss model card (arXiv:2508.10925) Table 1: 116.83B / 5.13B active, 20.91B / 3.61B
+    # active; the active counts hold the unembedding and not the embedding
+    ("gpt_oss_120b", 116.83e9, 5.13e9, "output", 0.001, "gpt-oss model card"),
+    ("gpt_oss_20b", 20.91e9, 3.61e9, "output", 0.001, "gpt-oss model card"),
 ]
 
 
@@ -72,8 +76,27 @@ def test_published_parameter_counts(preset, total, active, with_embeddings, rel)
     if active is None:
         assert not model.is_moe
         return
-    embeddings = 0 if with_embeddings else 2 * model.hidden_size * model.vocab_size
+    # matrices of hidden x vocab the published active count leaves out
+    left_out = 1 if with_embeddings == "output" else 0 if with_embeddings else 2
+    embeddings = left_out * model.hidden_size * model.vocab_size
     assert got["params_active"] - embeddings == pytest.approx(active, rel=rel)
+
+
+def test_gpt_oss_layouts():
+    """config.json: 128 / 32 experts of 2880, top-4; 64 query and 8 KV heads of 64; layer_types
+    alternate sliding_attention (window 128) and full_attention, starting with sliding."""
+    for name, layers, experts in (("gpt_oss_120b", 36, 128), ("gpt_oss_20b", 24, 32)):
+        m = load_model(name)
+        assert (m.num_layers, m.num_experts, m.top_k, m.moe_ffn_hidden_size) == (
+            layers,
+            experts,
+            4,
+            2880,
+        )
+        assert (m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size) == (64, 8, 64, 2880)
+        assert m.bias and m.vocab_size == 201088 and m.sliding_window == 128
+        assert [m.is_windowed_layer(i) for i in range(4)] == [True, False, True, False]
+        assert m.num_windowed_layers == layers // 2 and m.num_moe_layers == layers
 
 
 def test_deepseek_r1_is_the_deepseek_v3_architecture():

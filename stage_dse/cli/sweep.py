@@ -105,9 +105,16 @@ def run(cfg: DictConfig) -> int:
         raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
     if cfg.runner.batch_size <= 0:
         raise StageDseError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
+    if not 0 < cfg.runner.connect_timeout_s < float("inf"):
+        raise StageDseError(
+            f"runner.connect_timeout_s must be a number of seconds > 0, got "
+            f"{cfg.runner.connect_timeout_s}"
+        )
     search = to_optuna(cfg) if cfg.search.kind == "optuna" else None
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
-    executor = make_executor(cfg.runner.kind, cfg.runner.address, cfg.runner.num_cpus)
+    executor = make_executor(
+        cfg.runner.kind, cfg.runner.address, cfg.runner.num_cpus, cfg.runner.connect_timeout_s
+    )
     try:
         if search is not None:
             from stage_dse.search.optuna_search import run_optuna
@@ -441,7 +448,7 @@ main options:
   timing=roofline|measured    measured: kernel tables of the 'measured' extra where they reach
   search=grid|optuna          optuna: search.n_trials, search.objectives=[step_s,num_gpus]
   runner=auto|local|ray       auto: in-process below 300,000 plans, else Ray
-  runner.address=HOST:PORT    evaluate on an existing Ray cluster
+  runner.address=HOST:PORT    evaluate on an existing Ray cluster (RAY_AUTH_MODE=token: README)
   sweep_name=NAME results_dir=DIR top_k=10 replace_stale=true
 
   -m                          one job per comma-separated value (validated before any runs)

@@ -186,7 +186,10 @@ class SearchConf:
 class RunnerConf:
     kind: str = "auto"
     address: str | None = None
-    """None: start an embedded local Ray; "auto" or "ray://host:port": join a cluster."""
+    """None: start an embedded local Ray; "host:port", "auto" or "ray://host:port": join a
+    cluster (token authentication: RAY_AUTH_MODE=token in the environment)."""
+    connect_timeout_s: float = 10.0
+    """Joining a cluster fails with one line when it has not answered within this time."""
     num_cpus: int | None = None
     batch_size: int = 20000
     progress: bool = True
