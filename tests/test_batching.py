@@ -7,9 +7,11 @@ import itertools
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
-from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.batching import continuous_batching, output_length_classes
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.runner.serving import serving_row
@@ -266,3 +268,56 @@ def test_a_request_mix_of_one_class_is_that_class_and_longer_prompts_wait_longer
     assert row["cb_requests_per_s"] < alone["cb_requests_per_s"]
     with pytest.raises(ConfigError, match=r"serving\.request_mix"):
         continuous_batching(table, keys, 32, 1024, mix=[(2048, 256)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mean=st.floats(2.0, 4000.0),
+    cap_over_mean=st.one_of(st.just(np.inf), st.floats(2.05, 50.0)),
+    requests=st.floats(2.0, 1e5),
+)
+def test_output_length_classes_keep_the_mean_stay_ordered_and_under_the_cap(
+    mean, cap_over_mean, requests
+):
+    cap = mean * cap_over_mean
+    classes = output_length_classes(np.array([mean]), np.array([cap]), np.array([requests]))
+    lengths = np.array([float(o[0]) for o, _ in classes])
+    weights = np.array([float(np.asarray(w).ravel()[0]) for _, w in classes])
+    assert weights.sum() == pytest.approx(1.0, rel=1e-12)
+    assert float(np.sum(lengths * weights)) == pytest.approx(mean, rel=1e-4)
+    assert np.all(np.diff(lengths) > 0)
+    assert lengths[-1] <= cap * (1 + 1e-9)
+    # the last class is the longest of the burst's requests: it holds one of them
+    assert weights[-1] == pytest.approx(1.0 / requests, rel=1e-9)
+
+
+def test_spread_output_lengths_stretch_a_bursts_drain_but_not_the_steady_state():
+    table, keys = serving_rows(prompt=200, out=200)
+    fixed = continuous_batching(table, keys, 1024, 8192, burst=1000).iloc[0]
+    same = continuous_batching(table, keys, 1024, 8192, burst=1000, output_lengths=["fixed"]).iloc[
+        0
+    ]
+    assert same["cb_makespan_s"] == fixed["cb_makespan_s"]
+    spread = continuous_batching(
+        table, keys, 1024, 8192, burst=1000, output_lengths="exponential", max_total_tokens=2048
+    ).iloc[0]
+    # the same tokens, but the longest requests decode on with a shrinking batch
+    assert spread["cb_makespan_s"] > 1.2 * fixed["cb_makespan_s"]
+    assert spread["cb_tokens_per_s"] < fixed["cb_tokens_per_s"] / 1.2
+    # short requests finish during the heavy steps, long ones decode on in the light tail
+    # (over longer contexts): the mean per-request TPOT stays between the batch-1 step and
+    # not far above the fixed-length run's
+    one = continuous_batching(table, keys, 1, 200).iloc[0]
+    assert one["cb_tpot_s"] < spread["cb_tpot_s"] < fixed["cb_tpot_s"] * 1.3
+    # saturated throughput depends on the mean lengths only (Little's law)
+    sat_fixed = continuous_batching(table, keys, 64, 8192).iloc[0]
+    sat_spread = continuous_batching(table, keys, 64, 8192, output_lengths="exponential").iloc[0]
+    assert sat_spread["cb_requests_per_s"] == pytest.approx(
+        sat_fixed["cb_requests_per_s"], rel=0.15
+    )
+    with pytest.raises(ConfigError, match=r"serving\.output_lengths"):
+        continuous_batching(table, keys, 64, 8192, output_lengths="zipf")
+    with pytest.raises(ConfigError, match=r"serving\.max_total_tokens"):
+        continuous_batching(
+            table, keys, 64, 8192, output_lengths="exponential", max_total_tokens=300
+        )

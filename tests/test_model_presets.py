@@ -37,8 +37,9 @@ TRAINING = TrainingSpec(seq_len=4096, global_batch_size=64)
 # tolerance covers the rounding of the published figure (two or three significant digits) and
 # what the preset leaves out (listed in each preset's header).
 PUBLISHED = [
-    # Qwen3 Technical Report (arXiv:2505.09388) Tables 1-2 and the model cards: 14.8B (13.2B
+    # Qwen3 Technical Report (arXiv:2505.09388) Tables 1-2 and the model cards: 8.2B, 14.8B (13.2B
     # without embeddings), 32.8B (31.2B), 30.5B / 3.3B active, 235B / 22B active
+    ("qwen3_8b", 8.2e9, None, True, 0.005, "Qwen3 report, model card"),
     ("qwen3_14b", 14.8e9, None, True, 0.005, "Qwen3 report, model card"),
     ("qwen3_32b", 32.8e9, None, True, 0.005, "Qwen3 report, model card"),
     ("qwen3_30b_a3b", 30.5e9, 3.3e9, True, 0.02, "Qwen3 report, model card"),

@@ -14,9 +14,19 @@ from stage_dse.cost.bind import bind, bind_hardware
 from stage_dse.cost.serving import evaluate_serving_table, serving_key
 from stage_dse.errors import ConfigError
 from stage_dse.results import ResultStore, load
-from stage_dse.runner.serving import ServingSweepSpec, run_serving, serving_top_table
+from stage_dse.runner.serving import (
+    ServingSweepSpec,
+    run_serving,
+    serving_row,
+    serving_top_table,
+)
 from stage_dse.spec import ParallelPlan, TrainingSpec
-from stage_dse.spec.serving import ServingSpec, serving_plan, validate_serving
+from stage_dse.spec.serving import (
+    ServingSpec,
+    replicated_kv_heads,
+    serving_plan,
+    validate_serving,
+)
 from stage_dse.trace import check_trace_dir
 from stage_dse.trace.serving import write_serving_trace
 
@@ -362,3 +372,20 @@ def test_serving_sweep_without_a_valid_configuration_is_an_error(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"most often: tp does not divide heads\(32\) \(2 of"):
         run_serving(spec, ResultStore(tmp_path / "serve"), log=lambda s: None)
+
+
+def test_tensor_parallelism_beyond_the_kv_heads_replicates_them_one_per_rank():
+    model = load_model("llama3_70b")  # 8 KV heads
+    serving = ServingSpec(prompt_len=1024, output_tokens=128, batch_size=4)
+    cluster = load_cluster("dgx_h100", num_gpus=16)
+    hw = load_hardware("h100_sxm")
+    row, key = serving_row(model, serving, hw, cluster, 16)
+    out = evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+    # each of the 16 ranks caches one KV head per layer: K and V of 128 bf16 values
+    per_token = 2 * model.num_layers * 1 * model.head_dim * 2
+    assert out["serve_kv_cache_bytes"] == pytest.approx(4 * (1024 + 128) * per_token, rel=0.01)
+    assert replicated_kv_heads(model, 8) is model
+    assert replicated_kv_heads(model, 16).num_kv_heads == 16
+    glm = load_model("glm_4_5_air")  # 96 query heads, 8 KV heads
+    with pytest.raises(ConfigError, match=r"tp\(12\) is neither a divisor nor a multiple"):
+        validate_serving(glm, serving, serving_plan(glm, 12, 1, 4))

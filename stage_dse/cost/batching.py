@@ -70,16 +70,19 @@ TPOT are exactly the static batch-1 ones. One pipeline stage per replica (``pp =
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pandas as pd
 
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching"]
+__all__ = ["continuous_batching", "output_length_classes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
+_LENGTH_CLASSES = 12  # classes of a spread of output lengths (geometric in survival)
 
 
 def _array(value, n_rows: int) -> np.ndarray:
@@ -97,6 +100,8 @@ def continuous_batching(
     mix=None,
     clients=0,
     burst=0,
+    output_lengths="fixed",
+    max_total_tokens=np.inf,
     **serving_options,
 ) -> pd.DataFrame:
     """Steady state of every serving row (see the module docstring). ``table`` and ``keys``
@@ -106,7 +111,9 @@ def continuous_batching(
     ``burst`` (N requests at once; 0: none) are scalars or arrays over the rows;
     ``draft_tokens`` and ``acceptance``: speculative decoding; ``mix``:
     ``[(prompt, output_tokens, weight), ...]`` request classes instead of the rows' own
-    lengths."""
+    lengths; ``output_lengths``: ``fixed`` (every request decodes ``output_tokens``) or
+    ``exponential`` (output lengths spread with that mean, prompt plus output at most
+    ``max_total_tokens``: :func:`output_length_classes`)."""
     n_rows = len(table)
     if n_rows == 0:
         return pd.DataFrame(index=table.index)
@@ -137,7 +144,29 @@ def continuous_batching(
         raise ConfigError(f"serving.acceptance must be in [0, 1), got {alpha.max():g}")
     # tokens a request gains per decode step: the accepted drafts and the verifier's own
     gain = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    if mix is None:
+    spread = np.broadcast_to(np.asarray(output_lengths, dtype=object), (n_rows,))
+    unknown = set(spread) - {"fixed", "exponential"}
+    if unknown:
+        raise ConfigError(
+            f"serving.output_lengths must be fixed or exponential, got {sorted(unknown)[0]!r}"
+        )
+    spread = spread == "exponential"
+    if mix is None and spread.any():
+        prompt = table["prompt"].to_numpy(float)
+        cap = _array(max_total_tokens, n_rows) - prompt
+        mean_out = table["output_tokens"].to_numpy(float)
+        if not np.all((cap >= 2 * mean_out) | ~spread):
+            raise ConfigError(
+                "serving.max_total_tokens must leave at least twice output_tokens after the "
+                "prompt for exponential output lengths"
+            )
+        # resolve the tail down to the longest of a burst's requests
+        n_tail = np.maximum(np.where(sent > 0, sent, users), 2.0)
+        classes = [
+            (prompt, np.where(spread, o, mean_out), np.where(spread, w, 1.0 / _LENGTH_CLASSES))
+            for o, w in output_length_classes(mean_out, np.where(spread, cap, np.inf), n_tail)
+        ]
+    elif mix is None:
         classes = [(table["prompt"].to_numpy(float), table["output_tokens"].to_numpy(float), 1.0)]
     else:
         classes = _classes(mix, n_rows)
@@ -217,10 +246,13 @@ def continuous_batching(
             lo, hi = np.where(under, mid, lo), np.where(under, hi, mid)
         return np.where(fits, r_tok[rows], lo)
 
-    att_i = [
-        run(everyone, micro_batch=np.ones(n_rows), prompt=p)["serve_prefill_attention_s"].to_numpy()
-        for p in prompts
-    ]
+    att_by_prompt: dict[bytes, np.ndarray] = {}
+    for p in prompts:
+        if p.tobytes() not in att_by_prompt:
+            att_by_prompt[p.tobytes()] = run(everyone, micro_batch=np.ones(n_rows), prompt=p)[
+                "serve_prefill_attention_s"
+            ].to_numpy()
+    att_i = [att_by_prompt[p.tobytes()] for p in prompts]
     attention = mean(att_i)  # whole-prompt causal attention of a mean request
 
     def times(rows, r, open_loop, seen=0.0):
@@ -374,21 +406,44 @@ def continuous_batching(
             + request_over[bu] * fill_tokens / p_mean[bu]
         )
         later = n_req - first
-        # all admitted at once decode together; after a saturated phase the batch shrinks
-        tail = np.where(later > 0, np.maximum(first / 2, 1.0), first)
-        drain = run(bu, micro_batch=tail, **_at(lengths, bu))
-        t_drain = drain["serve_tpot_s"].to_numpy() + step_over[bu] + request_over[bu] * tail
+        # the drain: requests finish class by class (shortest first), the batch shrinking to
+        # the survivors; admitted over a saturated phase they are staggered (half as many on
+        # average); all admitted at once they decode together
+        order = np.argsort(np.stack([s[bu] for s in steps_i]), axis=0)
+        s_k = np.take_along_axis(np.stack([s[bu] for s in steps_i]), order, axis=0)
+        w_all = np.stack(
+            [np.broadcast_to(np.asarray(w, float), (n_rows,))[bu] for _, _, w in classes]
+        )
+        w_k = np.take_along_axis(w_all, order, axis=0)
+        surviving = np.cumsum(w_k[::-1], axis=0)[::-1]  # share still decoding in phase k
+        stagger = np.where(later > 0, 0.5, 1.0)
+        phase_s = np.diff(s_k, axis=0, prepend=0.0)
+        t_k = []
+        for k_ in range(len(classes)):
+            batch_k = np.maximum(first * stagger * surviving[k_], 1.0)
+            drain = run(bu, micro_batch=batch_k, **_at(lengths, bu))
+            t_k.append(
+                drain["serve_tpot_s"].to_numpy() + step_over[bu] + request_over[bu] * batch_k
+            )
+        t_k = np.stack(t_k)
+        done_k = np.cumsum(phase_s * t_k, axis=0)  # decode time until class k is done
         mu_b = mu[bu]
-        span = fill_steps * t_fill + later / mu_b + steps[bu] * t_drain
+        span = fill_steps * t_fill + later / mu_b + done_k[-1]
         # request j's prompt is done at step j P / fill_tokens (at least its own chunks)
         first_ttft = np.maximum(1.0, (first + 1.0) / 2.0 * p_mean[bu] / fill_tokens) * t_fill
         later_ttft = fill_steps * t_fill + (later + 1.0) / 2.0 / mu_b + p_bar[bu] * sat["t_mix"][bu]
         ttft[bu] = (first * first_ttft + later * later_ttft) / n_req
         ttft_long[bu] = np.where(later > 0, fill_steps * t_fill + later / mu_b, fill_steps * t_fill)
-        # the first ones decode through half the fill on average, then with the others
-        through = np.minimum((fill_steps - 1.0) / 2.0, steps[bu])
-        after = np.where(later > 0, sat["t_dec"][bu], t_drain)
-        first_tpot = (through * t_fill + (steps[bu] - through) * after) / steps[bu] / gain[bu]
+        # the first ones decode through half the fill on average, then with the others (each
+        # class through the phases until it is done)
+        through = np.minimum((fill_steps - 1.0) / 2.0, s_k)
+        own = np.where(
+            later > 0,
+            sat["t_dec"][bu] * (s_k - through),
+            done_k - through * t_k[0],
+        )
+        class_tpot = (through * t_fill + own) / np.maximum(s_k, 1e-300) / gain[bu]
+        first_tpot = np.sum(w_k * class_tpot, axis=0)
         tpot[bu] = (first * first_tpot + later * sat["tpot"][bu]) / n_req
         rate[bu] = n_req / span
         makespan[bu] = span
@@ -459,3 +514,50 @@ def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
             )
     total = sum(w for _, _, w in classes)
     return [(np.full(n_rows, p), np.full(n_rows, o), w / total) for p, o, w in classes]
+
+
+def _truncated_scale(mean: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Scale ``theta`` of an exponential truncated to ``[0, cap]`` whose mean is ``mean``
+    (``theta - cap / (exp(cap / theta) - 1)``, increasing in ``theta``; bisection)."""
+    lo, hi = np.full_like(mean, 1e-9), np.where(np.isfinite(cap), 1e6 * mean + cap, 2 * mean)
+    for _ in range(_BISECT):
+        mid = 0.5 * (lo + hi)
+        with np.errstate(over="ignore"):
+            m = mid - np.where(np.isfinite(cap), cap / np.expm1(np.minimum(cap / mid, 700.0)), 0.0)
+        lo, hi = np.where(m < mean, mid, lo), np.where(m < mean, hi, mid)
+    return np.where(np.isfinite(cap), 0.5 * (lo + hi), mean)
+
+
+def output_length_classes(mean_tokens, cap_tokens, requests) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Output lengths spread as an exponential with mean ``mean_tokens`` truncated at
+    ``cap_tokens`` (the maximum-entropy law of a positive length whose mean alone is known;
+    benchmark samplers cap prompt plus output, e.g. 2,048 tokens in vLLM's ShareGPT sampler,
+    ``vllm/benchmarks/datasets.py`` ``is_valid_sequence``), as ``(output_tokens, weight)``
+    classes over the rows: the conditional means of survival bands ``1 > n^-1/(K-1) > ...
+    > 1/n > 0`` for ``n = requests``, so that the last class is the longest of ``n`` requests
+    (a burst's drain runs as long as its longest request). The classes' mean is
+    ``mean_tokens`` exactly."""
+    mean = np.asarray(mean_tokens, dtype=float)
+    cap = np.broadcast_to(np.asarray(cap_tokens, dtype=float), mean.shape)
+    n = np.broadcast_to(np.asarray(requests, dtype=float), mean.shape)
+    theta = _truncated_scale(mean, cap)
+    tail = np.where(np.isfinite(cap), np.exp(-np.minimum(cap / theta, 700.0)), 0.0)
+
+    def length_at(survival):  # the length a share ``survival`` of requests exceeds
+        return -theta * np.log(survival * (1.0 - tail) + tail)
+
+    def partial(x):  # integral of x e^(-x/theta) / theta from 0 to x, over (1 - tail)
+        e = np.exp(-np.minimum(x / theta, 700.0))
+        return (theta - (x + theta) * e) / (1.0 - tail)
+
+    levels = [n ** (-j / (_LENGTH_CLASSES - 1)) for j in range(_LENGTH_CLASSES)] + [None]
+    out = []
+    for upper, lower in itertools.pairwise(levels):
+        a = length_at(upper)
+        b = np.where(np.isfinite(cap), cap, np.inf) if lower is None else length_at(lower)
+        weight = upper - (0.0 if lower is None else lower)
+        b_part = np.where(
+            np.isfinite(b), partial(np.where(np.isfinite(b), b, 0.0)), theta / (1.0 - tail)
+        )
+        out.append(((b_part - partial(a)) / weight, weight))
+    return out

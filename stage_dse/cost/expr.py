@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import sympy as sp
 
-__all__ = ["_max", "_min", "_sum", "first_max_weights"]
+__all__ = ["_max", "_min", "_sum", "first_max_weights", "lazy_xreplace"]
 
 
 def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
@@ -22,6 +22,35 @@ def _max(*args: sp.Expr) -> sp.Expr:
 
 def _min(*args: sp.Expr) -> sp.Expr:
     return sp.Min(*args, evaluate=False)
+
+
+def lazy_xreplace(expr: sp.Expr, subs: dict) -> sp.Expr:
+    """``expr.xreplace(subs)`` that rebuilds ``Max``/``Min`` unevaluated. sympy's own
+    rebuild re-derives which arguments of every min/max dominate the others (pairwise
+    symbolic comparisons: seconds per program for MoE layouts, most of a serving program's
+    construction); the values are the same, only the tree keeps arguments sympy would have
+    dropped. Everything else is rebuilt (and evaluated) as by ``xreplace``."""
+    memo: dict = {}
+
+    def walk(e):
+        if e in subs:
+            return subs[e]
+        if not e.args:
+            return e
+        got = memo.get(e)
+        if got is not None:
+            return got
+        args = tuple(walk(a) for a in e.args)
+        if args == e.args:
+            out = e
+        elif isinstance(e, sp.Max | sp.Min):
+            out = e.func(*args, evaluate=False)
+        else:
+            out = e.func(*args)
+        memo[e] = out
+        return out
+
+    return walk(sp.sympify(expr))
 
 
 def first_max_weights(values: list[sp.Expr]) -> list[sp.Expr]:

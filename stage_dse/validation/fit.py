@@ -56,6 +56,8 @@ class Parameter:
     upper: float
     hardware: tuple[str, ...] = ()
     cluster: tuple[str, ...] = ()
+    engine: tuple[str, ...] = ()
+    """Serving rows on these engine profiles (:mod:`stage_dse.spec.engine`)."""
     factor: bool = False
     workload: str = ""
     """Only rows of this workload (``training`` or ``serving``; empty: both)."""
@@ -72,6 +74,8 @@ class Parameter:
             m |= table["hardware"].isin(self.hardware).to_numpy()
         if self.cluster:
             m |= table["cluster"].isin(self.cluster).to_numpy()
+        if self.engine and "engine" in table:
+            m |= table["engine"].isin(self.engine).to_numpy()
         if self.workload:
             m &= (table["workload"] == self.workload).to_numpy()
         return m
@@ -96,6 +100,7 @@ def load_parameters(text: str | None = None) -> list[Parameter]:
                 upper=float(hi),
                 hardware=tuple(p.get("hardware", ())),
                 cluster=tuple(p.get("cluster", ())),
+                engine=tuple(p.get("engine", ())),
                 factor=bool(p.get("factor", False)),
                 workload=str(p.get("workload", "")),
                 prior=float(p["prior"]) if "prior" in p else None,
@@ -265,8 +270,10 @@ def fit(
 
 
 def _golden(f, lo: float, hi: float, current: float, tol: float = 5e-3) -> float:
-    """Minimum of ``f`` on ``[lo, hi]`` by golden-section search; ``current`` unless the
-    search finds lower."""
+    """Minimum of ``f`` on ``[lo, hi]`` by golden-section search to ``tol`` (at most 1/80 of
+    the range: parameters in seconds span far less than efficiencies do); ``current``
+    unless the search finds lower."""
+    tol = min(tol, (hi - lo) / 80)
     best_v, best = current, f(current)
     a, b = lo, hi
     c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
