@@ -1,4 +1,6 @@
-"""FP4 weights: NVFP4 / MXFP4 sizes with their scales, W4A4 on FP4 tensor cores, rejections."""
+"""FP4 weights: NVFP4 / MXFP4 sizes with their scales, W4A4 on FP4 tensor cores, W4A16
+(weight-only) on GPUs without them, experts in their own format, rejections (4-bit KV caches
+and training)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import sympy as sp
 
 from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.bind import evaluate_plan
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.cost.time import gemm_precision_weights
 from stage_dse.errors import ConfigError
@@ -16,8 +19,8 @@ from stage_dse.graph.ir import Role
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import build_serving_graphs
 from stage_dse.runner.serving import serving_row
-from stage_dse.spec import DType, TrainingSpec
-from stage_dse.spec.serving import ServingSpec
+from stage_dse.spec import DType, ParallelPlan, TrainingSpec
+from stage_dse.spec.serving import ServingSpec, weight_only
 
 B200 = load_hardware("b200")
 
@@ -94,16 +97,62 @@ def test_activations_stay_16_bit_under_fp4_weights():
 
 
 @pytest.mark.parametrize("hw", ["h100_sxm", "a100_80gb", "h200", "l40s", "gh200"])
-def test_gpus_without_fp4_tensor_cores_reject_fp4_weights(hw):
-    spec = ServingSpec(prompt_len=8, weights_dtype="fp4")
-    with pytest.raises(ConfigError) as exc:
-        spec.step_like(load_hardware(hw))
-    message = str(exc.value)
-    assert message == (
-        f"serving.weights_dtype=nvfp4 needs FP4 tensor cores; {hw} has none "
-        "(peak_fp4_tflops unset): use fp8"
-    )
-    assert "\n" not in message
+@pytest.mark.parametrize("weights", ["fp4", "mxfp4"])
+def test_gpus_without_fp4_tensor_cores_run_4_bit_weights_w4a16(hw, weights):
+    """No FP4 tensor cores: the weights stay 4-bit in memory (scales included), the GEMMs run
+    on the 16-bit tensor cores (gemm_bytes 2), and the row says weight-only."""
+    hardware = load_hardware(hw)
+    spec = ServingSpec(prompt_len=8, weights_dtype=weights)
+    like = spec.step_like(hardware)
+    assert like.gemm_dtype is DType.BF16 and like.params_dtype.is_fp4
+    assert weight_only(spec, hardware) and not weight_only(spec, B200)
+    row, _ = serve(weights, hardware, "dgx_h100")
+    assert row["gemm_bytes"] == 2 and row["param_bytes"] == spec.weights_dtype.bytes < 0.6
+    assert row["weight_only"]
+    assert [float(w.subs(S.gemm_bytes, row["gemm_bytes"])) for w in gemm_precision_weights()] == [
+        1,
+        0,
+        0,
+    ]
+
+
+H100 = load_hardware("h100_sxm")
+
+
+def test_w4a16_reads_4_bit_weights_at_the_bf16_gemm_rate():
+    """Against bf16 weights on the same GPU: weight bytes x 4.25/16, batch-1 decode (streaming
+    the weights) faster, and a long prefill (compute bound at the same 16-bit peak) the same
+    to within what the weights' bytes add to its kernels' roofline."""
+    _, bf16 = serve("bf16", H100, "dgx_h100", tp=8)
+    _, w4 = serve("mxfp4", H100, "dgx_h100", tp=8)
+    ratio = w4["serve_weights_bytes"] / bf16["serve_weights_bytes"]
+    assert ratio == pytest.approx(4.25 / 16, rel=1e-12)
+    assert w4["serve_tpot_s"] < 0.8 * bf16["serve_tpot_s"]
+    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.02)
+    assert w4["serve_ttft_s"] <= bf16["serve_ttft_s"]
+
+
+def test_expert_weights_in_their_own_format():
+    """gpt-oss: MXFP4 experts, the rest bf16 (weight bytes by hand from the parameter
+    counts), the GEMMs in bf16; a dense model has no experts to give a format."""
+    model = load_model("gpt_oss_120b")
+    params = evaluate_plan(model, TrainingSpec(seq_len=8, global_batch_size=1), ParallelPlan())
+    experts = model.num_layers * model.num_experts * 3 * model.hidden_size**2  # width 2880
+    rest = params["params"] - experts
+    spec = ServingSpec(prompt_len=1024, weights_dtype="bf16", expert_weights_dtype="mxfp4")
+    row, key = serving_row(model, spec, H100, load_cluster("dgx_h100", num_gpus=8), 1)
+    got = evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+    assert got["serve_weights_bytes"] == pytest.approx(2 * rest + experts * 17 / 32, rel=1e-12)
+    assert got["serve_weights_bytes"] < H100.usable_bytes  # one 80 GB GPU, as the card says
+    assert row["gemm_bytes"] == 2 and row["param_bytes"] == 2 and row["weight_only"]
+    assert key.graph.expert_param_bytes == 0.53125
+    plain = ServingSpec(prompt_len=1024, expert_weights_dtype="bf16")
+    assert serving_row(model, plain, H100, load_cluster("dgx_h100", num_gpus=8), 1)[
+        1
+    ].graph == (serving_row(model, ServingSpec(prompt_len=1024), H100,
+                            load_cluster("dgx_h100", num_gpus=8), 1)[1].graph)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^serving\.expert_weights_dtype=mxfp4 needs a mix"):
+        serving_row(load_model("llama3_8b"), spec, H100, load_cluster("dgx_h100", num_gpus=8), 1)
 
 
 def test_a_4_bit_kv_cache_and_4_bit_training_are_rejected():
@@ -128,5 +177,16 @@ def test_fp4_corpus_cases_are_expressible_where_the_gpu_has_fp4():
     hopper = dataclasses.replace(
         on_b200[0], fields={**on_b200[0].fields, "hardware": "h100_sxm", "cluster": "dgx_h100"}
     )
-    reason = prepare([hopper]).unexpressible[hopper.id]
-    assert reason.startswith("serving.weights_dtype=nvfp4 needs FP4 tensor cores; h100_sxm")
+    # on Hopper the same record runs W4A16 rather than being turned away
+    assert "dtype" not in prepare([hopper]).unexpressible.get(hopper.id, "")
+
+
+def test_gpt_oss_fp4_records_serve_mxfp4_experts():
+    from stage_dse.validation.corpus import load_corpus
+    from stage_dse.validation.serving import _row
+
+    cases = [c for c in load_corpus("serving") if c.fields.get("model") == "gpt_oss_20b"]
+    case = next(c for c in cases if c.fields.get("weights") == "fp4")
+    row, key = _row(case)
+    assert key.graph.expert_param_bytes == 0.53125 and key.graph.param_bytes == 2
+    assert row["weight_only"] == (case.fields["hardware"] in ("h100_sxm", "a100_80gb"))

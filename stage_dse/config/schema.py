@@ -81,7 +81,7 @@ class HardwareConf:
     peak_fp8_tflops: float = 0.0
     """Dense FP8 tensor-core peak (0: none)."""
     peak_fp4_tflops: float = 0.0
-    """Dense FP4 tensor-core peak (0: none; 4-bit weights are rejected there)."""
+    """Dense FP4 tensor-core peak (0: none; 4-bit weights run weight-only there, W4A16)."""
     sustained_clock: float = 1.0
     """Sustained tensor-core clock under the power limit, fraction of the datasheet's."""
     hbm_gib: float = MISSING

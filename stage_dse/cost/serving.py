@@ -31,6 +31,7 @@ of serving configurations. No I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,7 +41,6 @@ import pandas as pd
 import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
-from stage_dse.cost.expr import lazy_xreplace
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import (
@@ -80,7 +80,10 @@ class ServingKey:
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
     validate_serving(model, serving, plan)
     like = serving.step_like()
-    return ServingKey(graph_key(model, plan, like), serving.kv_dtype.bytes, plan.rank_order)
+    graph = graph_key(model, plan, like)
+    if serving.experts_dtype is not serving.weights_dtype:  # experts in their own format
+        graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
+    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order)
 
 
 def _sum(items) -> sp.Expr:
@@ -118,7 +121,7 @@ def _peak_live_bytes(ops) -> tuple[sp.Expr, ...]:
 def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     """The largest of ``terms`` after substitution (kept unevaluated: sympy would try to order
     the symbolic terms)."""
-    terms = tuple(dict.fromkeys(lazy_xreplace(t, subs) for t in terms))
+    terms = tuple(dict.fromkeys(t.xreplace(subs) for t in terms))
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
@@ -224,10 +227,10 @@ def _program(key: ServingKey, measured: bool):
             return t + (n_dense * dns[field] if dns is not None else 0)
 
         passes[mode] = {
-            "time": lazy_xreplace((total("time") + (pp - 1) * hop), subs),
-            "attention_time": lazy_xreplace(total("attention_time"), subs),
-            "memory_time": lazy_xreplace((total("memory_time") / pp), subs),
-            "compute_time": lazy_xreplace((total("compute_time") / pp), subs),
+            "time": (total("time") + (pp - 1) * hop).xreplace(subs),
+            "attention_time": total("attention_time").xreplace(subs),
+            "memory_time": (total("memory_time") / pp).xreplace(subs),
+            "compute_time": (total("compute_time") / pp).xreplace(subs),
             "working": _peak(blk["working"], subs),
             "kv_global": blk["kv_global"],
             "kv_local": blk["kv_local"],

@@ -120,6 +120,9 @@ class GraphKey:
     sliding_window: bool = False
     """Some layers attend over a sliding window (a windowed block section;
     :func:`stage_dse.graph.layers.windowed_layers_among` counts them)."""
+    expert_param_bytes: float = 0
+    """Serving: bytes per routed-expert weight value when the experts have their own format
+    (gpt-oss: MXFP4 experts, the rest bf16); 0: ``param_bytes``."""
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -176,6 +179,7 @@ class _Builder:
         self.k = key
         self.g = Graph(grad_bytes=key.grad_bytes)
         self.pb = sp.Rational(key.param_bytes)  # 9/16 for NVFP4: exact, scales included
+        self.epb = sp.Rational(key.expert_param_bytes) if key.expert_param_bytes else self.pb
         # activations between kernels: the weights' format down to 8 bits; under 4-bit weights
         # 16-bit (only the linear GEMMs' inputs are quantized, stage_dse.cost.time)
         self.ab = self.pb if self.pb >= 1 else sp.Integer(2)
@@ -191,13 +195,13 @@ class _Builder:
 
     full = (BATCH, (CP,), ())
 
-    def w(self, name: str, axes, layout, states_over=DATA_AXES) -> Tensor:
+    def w(self, name: str, axes, layout, states_over=DATA_AXES, dtype_bytes=None) -> Tensor:
         """A parameter whose ZeRO states (and FSDP shards) are split over ``states_over``."""
         return self.g.weight(
             name,
             axes,
             layout,
-            self.pb,
+            self.pb if dtype_bytes is None else dtype_bytes,
             shard_states_over=states_over,
             fsdp=self.k.zero_stage == 3,
         )
@@ -254,15 +258,10 @@ class _Builder:
         if etp:  # experts split over TP: gather the TP group's tokens
             x_e = g.redistribute(x_e, [expert_ranks, tuple(m for m in slots if m is not TP), ()])
         f_split = (TP,) if etp else ()
-        w1 = self.w(
-            "experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], EXPERT_DATA_AXES
-        )
-        w3 = self.w(
-            "experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], EXPERT_DATA_AXES
-        )
-        w2 = self.w(
-            "experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()], EXPERT_DATA_AXES
-        )
+        on, eb = EXPERT_DATA_AXES, self.epb
+        w1 = self.w("experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
+        w3 = self.w("experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
+        w2 = self.w("experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()], on, eb)
         gate = g.einsum("experts.gate_proj", x_e, w1, [E, C, Fe])
         up = g.einsum("experts.up_proj", x_e, w3, [E, C, Fe])
         act = g.pointwise(SWIGLU, "experts.swiglu", gate, up)

@@ -83,6 +83,9 @@ _fields = [
     pa.field("engine", LABEL),
     pa.field("clients", pa.float64()),
     pa.field("burst", pa.float64()),
+    pa.field("weight_only", pa.bool_()),
+    # serving: some weights only stored in their format, the GEMMs 16-bit (W4A16 on GPUs
+    # without FP4 tensor cores; stage_dse.spec.serving.weight_only)
 ]
 for c in CONFIG_COLUMNS:
     if c in INT_CONFIG:
@@ -102,7 +105,7 @@ _fields += [
     pa.field("trace_dir", pa.string()),
     pa.field("trace_replay_s", pa.float64()),
 ]
-HASH_SCHEME = "4"
+HASH_SCHEME = "5"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
 whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
 HASH_SCHEME_KEY = b"stage_dse.hash_scheme"

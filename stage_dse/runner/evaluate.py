@@ -253,7 +253,7 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
-        elif name in ("serving_mode", "request_mix", "engine"):
+        elif name in ("serving_mode", "request_mix", "engine", "weight_only"):
             arrays.append(pa.nulls(n, field.type))
         elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance", "clients",
                       "burst"):  # fmt: skip

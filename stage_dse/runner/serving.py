@@ -32,7 +32,7 @@ from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
-from stage_dse.spec.serving import ServingSpec, replicated_kv_heads, serving_plan
+from stage_dse.spec.serving import ServingSpec, serving_plan, weight_only
 from stage_dse.spec.sweep import ServingSweepSpec, divisors
 
 __all__ = [
@@ -193,6 +193,7 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "engine",
                 "clients",
                 "burst",
+                "weight_only",
             ):
                 out[col] = table[col].to_numpy()
             if continuous:
@@ -216,8 +217,7 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
 
 def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int = 1, ep: int = 1):
     """The symbol row and serving key of one replica layout (a ``ConfigError`` when the layout
-    does not suit the model). KV heads fewer than ``tp`` are replicated, one per rank."""
-    model = replicated_kv_heads(model, tp)
+    does not suit the model)."""
     plan = serving_plan(model, tp, pp, serving.batch_size, ep)
     key = serving_key(model, serving, plan)
     like = serving.step_like(hardware, replicas=plan.dp)
@@ -229,6 +229,7 @@ def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int
             "prompt": serving.prompt_len,
             "output_tokens": serving.output_tokens,
             "context": serving.prompt_len,
+            "weight_only": weight_only(serving, hardware),
         }
     )
     return row, key

@@ -65,8 +65,8 @@ class HardwareSpec:
     peak_fp8_flops: float = 0.0
     """Dense FP8 tensor-core peak, flop/s (0: no FP8 tensor cores)."""
     peak_fp4_flops: float = 0.0
-    """Dense FP4 (NVFP4/MXFP4) tensor-core peak, flop/s (0: no FP4 tensor cores, which
-    serving rejects 4-bit weights on)."""
+    """Dense FP4 (NVFP4/MXFP4) tensor-core peak, flop/s (0: no FP4 tensor cores, where
+    serving runs 4-bit weights weight-only, W4A16 at the 16-bit rate)."""
     sustained_clock: float = 1.0
     """Clock the tensor cores sustain under the part's power limit, as a fraction of the clock
     the datasheet peaks assume (1: no throttling). MFU stays against the datasheet peak."""

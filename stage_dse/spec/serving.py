@@ -20,11 +20,24 @@ What the linear layers' GEMMs then run in:
   TensorRT-LLM runs MXFP4 checkpoints on Blackwell (its GPT-OSS deployment guide: MXFP8
   activations, MXFP4 MoE weights on B200/GB200/B300/GB300).
 
-Either 4-bit format needs a GPU with FP4 tensor cores (``hardware.peak_fp4_flops`` > 0,
-Blackwell); elsewhere (Hopper, Ada, Ampere) it is rejected, not silently run as a
-weight-only format. Activations between kernels are 16-bit under 4-bit weights (only the
-GEMMs' inputs are quantized). The KV cache is ``bf16``/``fp16`` or ``fp8``: a 4-bit cache
-(TensorRT-LLM's NVFP4 KV cache, dequantized to FP8 for attention) is not modelled.
+Both run so on a GPU with FP4 tensor cores (``hardware.peak_fp4_flops`` > 0, Blackwell).
+Elsewhere (Hopper, Ada, Ampere) 4-bit weights are weight-only (W4A16): stored at their 4.5 or
+4.25 bits with the scales, dequantized inside the GEMM, the math on the 16-bit tensor cores at
+the bf16 rate, as engines run them there (vLLM's MXFP4 MoE backends on SM90/SM80: FlashInfer's
+MXFP4 x BF16, Triton's and Marlin's, all with bf16 activations,
+``vllm/model_executor/layers/quantization/mxfp4.py``; Marlin's NVFP4 likewise). A serving
+row states it: ``param_bytes`` below 1 with ``gemm_bytes`` 2 (:func:`weight_only`).
+Activations between kernels are 16-bit under 4-bit weights (only the GEMMs' inputs are
+quantized).
+
+``expert_weights_dtype`` gives the routed experts of a mixture-of-experts model their own
+format, the rest keeping ``weights_dtype``: gpt-oss checkpoints store the expert weights in
+MXFP4 and attention, router and embeddings in bf16. The GEMMs then all run in the format of
+``weights_dtype`` (one GEMM precision per pass): exact for W4A16 experts beside bf16 layers;
+on FP4 hardware the expert GEMMs are costed at the rest's rate, not at their own.
+
+The KV cache is ``bf16``/``fp16`` or ``fp8``: a 4-bit cache (TensorRT-LLM's NVFP4 KV cache,
+dequantized to FP8 for attention) is not modelled.
 """
 
 from __future__ import annotations
@@ -38,14 +51,7 @@ from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import ParallelPlan
 from stage_dse.spec.training import DType, TrainingSpec
 
-__all__ = [
-    "FP4_ALIAS",
-    "ServingSpec",
-    "check_weights_dtype",
-    "replicated_kv_heads",
-    "serving_plan",
-    "validate_serving",
-]
+__all__ = ["FP4_ALIAS", "ServingSpec", "serving_plan", "validate_serving", "weight_only"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,13 +67,18 @@ class ServingSpec:
     weights_dtype: DType = DType.BF16
     """``bf16``, ``fp16``, ``fp8``, ``nvfp4`` or ``mxfp4`` (``fp4``: ``nvfp4``)."""
     kv_dtype: DType = DType.BF16
+    expert_weights_dtype: DType | None = None
+    """The routed experts' weights (mixture-of-experts models), in the same formats; None:
+    ``weights_dtype``."""
 
     def __post_init__(self) -> None:
         owner = "serving"
         for f in ("prompt_len", "output_tokens", "batch_size"):
             positive_int(owner, f, getattr(self, f))
-        for f in ("weights_dtype", "kv_dtype"):
+        for f in ("weights_dtype", "kv_dtype", "expert_weights_dtype"):
             value = getattr(self, f)
+            if value is None and f == "expert_weights_dtype":
+                continue
             value = FP4_ALIAS if isinstance(value, str) and value.lower() == "fp4" else value
             object.__setattr__(self, f, coerce_enum(DType, owner, f, value))
         if self.kv_dtype.is_fp4:
@@ -75,6 +86,11 @@ class ServingSpec:
                 f"serving.kv_dtype={self.kv_dtype.value}: a 4-bit KV cache is not modelled; "
                 "use fp8 or bf16"
             )
+
+    @property
+    def experts_dtype(self) -> DType:
+        """The routed experts' weight format."""
+        return self.expert_weights_dtype or self.weights_dtype
 
     @property
     def decode_context(self) -> float:
@@ -89,14 +105,13 @@ class ServingSpec:
         dtype for parameters, and the GEMM format the weights run in on ``hardware`` (module
         doc): FP8 when the weights are FP8 or MXFP4 (W4A8) and the hardware has FP8 tensor
         cores (elsewhere FP8 weights are a storage format and GEMMs run in bf16), NVFP4 for
-        NVFP4 weights. 4-bit weights on ``hardware`` without FP4 tensor cores are a
-        ``ConfigError`` (:func:`check_weights_dtype`)."""
-        if hardware is not None:
-            check_weights_dtype(self, hardware)
+        NVFP4 weights; 4-bit weights on ``hardware`` without FP4 tensor cores run weight-only,
+        the GEMMs in bf16 (:func:`weight_only`). Without ``hardware``, as on FP4 hardware."""
         w = self.weights_dtype
-        if w is DType.NVFP4:
+        fp4_cores = hardware is None or hardware.peak_fp4_flops > 0
+        if w is DType.NVFP4 and fp4_cores:
             gemm = DType.NVFP4
-        elif w is DType.MXFP4 or (
+        elif (w is DType.MXFP4 and fp4_cores) or (
             w is DType.FP8 and hardware is not None and hardware.peak_fp8_flops > 0
         ):
             gemm = DType.FP8
@@ -115,13 +130,13 @@ FP4_ALIAS = DType.NVFP4
 """What ``fp4`` means: NVFP4, the format of NVIDIA's FP4 checkpoints (ModelOpt, TensorRT-LLM)."""
 
 
-def check_weights_dtype(serving: ServingSpec, hardware) -> None:
-    """4-bit weights need FP4 tensor cores (``hardware.peak_fp4_flops`` > 0)."""
-    if serving.weights_dtype.is_fp4 and hardware.peak_fp4_flops <= 0:
-        raise ConfigError(
-            f"serving.weights_dtype={serving.weights_dtype.value} needs FP4 tensor cores; "
-            f"{hardware.name} has none (peak_fp4_tflops unset): use fp8"
-        )
+def weight_only(serving: ServingSpec, hardware) -> bool:
+    """Some weights are a storage format only on ``hardware``, their GEMMs running on the
+    16-bit tensor cores: 4-bit weights (or experts) without FP4 tensor cores (W4A16), FP8
+    weights without FP8 ones (W8A16)."""
+    formats = {serving.weights_dtype, serving.experts_dtype}
+    no_fp4 = hardware.peak_fp4_flops <= 0 and any(d.is_fp4 for d in formats)
+    return no_fp4 or (DType.FP8 in formats and hardware.peak_fp8_flops <= 0)
 
 
 def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 1) -> ParallelPlan:
@@ -137,20 +152,12 @@ def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 
     )
 
 
-def replicated_kv_heads(model: ModelSpec, tp: int) -> ModelSpec:
-    """The model as ``tp`` ranks serve it when ``tp`` exceeds its KV heads: each rank holds a
-    copy of the KV head its query heads read (vLLM's ``num_kv_head_replicas = tp /
-    num_kv_heads``, TensorRT-LLM likewise), so every per-GPU cost (KV projection weights,
-    KV cache, attention) is that of a model with ``tp`` KV heads, one per rank. Parameter
-    counts of the returned model include the copies. Unchanged when ``tp`` divides the KV
-    heads, is not a multiple of them, or the model caches a latent (MLA)."""
-    kv = model.num_kv_heads
-    if tp <= kv or tp % kv or model.num_heads % tp or model.is_mla:
-        return model
-    return dataclasses.replace(model, num_kv_heads=tp)
-
-
 def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> None:
+    if serving.expert_weights_dtype is not None and not model.is_moe:
+        raise ConfigError(
+            f"serving.expert_weights_dtype={serving.expert_weights_dtype.value} needs a "
+            f"mixture-of-experts model; {model.name} has no experts (use weights_dtype)"
+        )
     if plan.cp != 1 or plan.dp != plan.ep:
         raise ConfigError(
             f"serving plans use tp, pp and ep (attention data-parallel over the ep ranks, dp = "
@@ -165,12 +172,7 @@ def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan)
         divides("ep", plan.ep, "experts", model.num_experts)
     divides("tp", plan.tp, "heads", model.num_heads)
     if model.num_kv_heads % plan.tp:
-        raise ConfigError(
-            f"tp({plan.tp}) is neither a divisor nor a multiple of kv_heads({model.num_kv_heads})"
-            if plan.tp % model.num_kv_heads
-            else f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads}) (serve the model "
-            "through replicated_kv_heads)"
-        )
+        raise ConfigError(f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads})")
     divides("tp", plan.tp, "vocab", model.vocab_size)
     divides("tp", plan.tp, "ffn_hidden_size", model.ffn_hidden_size)
     if plan.pp > model.num_layers:

@@ -52,6 +52,13 @@ from stage_dse.validation.resolve import (
 __all__ = ["Prepared", "evaluate_serving", "prepare"]
 
 
+NATIVE_FP4_EXPERTS = {"gpt_oss_120b": "mxfp4", "gpt_oss_20b": "mxfp4"}
+"""Models whose published 4-bit checkpoint quantizes only the routed experts, in this format
+(gpt-oss: MXFP4 experts; attention, router and embeddings bf16, its config.json's
+``quantization_config.modules_to_not_convert``): a record's ``weights: fp4`` on them means
+that checkpoint."""
+
+
 def _row(case: Case):
     from stage_dse.runner.serving import serving_row
 
@@ -88,12 +95,16 @@ def _row(case: Case):
     batch = f["batch"] if f["mode"] == "static" else ep
     if batch % ep:
         raise Unexpressible(f"batch({batch}) does not split over ep({ep}) attention ranks")
+    weights, experts = f.get("weights", "bf16"), None
+    if weights == "fp4" and model.name in NATIVE_FP4_EXPERTS:  # the checkpoint's own format
+        weights, experts = "bf16", NATIVE_FP4_EXPERTS[model.name]
     serving = ServingSpec(
         prompt_len=f["isl"],
         output_tokens=f["osl"],
         batch_size=batch // ep,
-        weights_dtype=f.get("weights", "bf16"),
+        weights_dtype=weights,
         kv_dtype=f.get("kv", "bf16"),
+        expert_weights_dtype=experts,
     )
     try:
         row, key = serving_row(model, serving, hw, cluster, tp, pp, ep)
@@ -107,17 +118,6 @@ def _row(case: Case):
         }
     )
     return row, key
-
-
-def _output_lengths(f: dict) -> tuple[str, float]:
-    """How a case's output lengths spread: requests sampled from ShareGPT conversations
-    decode each its own reply's length (the record gives the mean), spread as an exponential
-    capped where the benchmark's sampler drops longer pairs (prompt plus reply at most 2,048
-    tokens: vLLM's ``vllm/benchmarks/datasets.py`` ``is_valid_sequence``, the sampler of
-    ``vllm bench serve``); synthetic and random datasets decode fixed lengths."""
-    if "sharegpt" in str(f.get("dataset", "")).lower():
-        return "exponential", 2048.0
-    return "fixed", np.inf
 
 
 def case_engine(case: Case) -> EngineSpec:
@@ -241,8 +241,6 @@ def evaluate_serving(
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
-                output_lengths=np.array([_output_lengths(x)[0] for x in f], dtype=object),
-                max_total_tokens=np.array([_output_lengths(x)[1] for x in f], dtype=float),
                 timing=timing,
             )
             cb.index = cont
