@@ -41,6 +41,7 @@ import pandas as pd
 import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
+from stage_dse.cost.expr import lazy_xreplace
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import (
@@ -121,7 +122,7 @@ def _peak_live_bytes(ops) -> tuple[sp.Expr, ...]:
 def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     """The largest of ``terms`` after substitution (kept unevaluated: sympy would try to order
     the symbolic terms)."""
-    terms = tuple(dict.fromkeys(t.xreplace(subs) for t in terms))
+    terms = tuple(dict.fromkeys(lazy_xreplace(t, subs) for t in terms))
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
@@ -227,10 +228,10 @@ def _program(key: ServingKey, measured: bool):
             return t + (n_dense * dns[field] if dns is not None else 0)
 
         passes[mode] = {
-            "time": (total("time") + (pp - 1) * hop).xreplace(subs),
-            "attention_time": total("attention_time").xreplace(subs),
-            "memory_time": (total("memory_time") / pp).xreplace(subs),
-            "compute_time": (total("compute_time") / pp).xreplace(subs),
+            "time": lazy_xreplace((total("time") + (pp - 1) * hop), subs),
+            "attention_time": lazy_xreplace(total("attention_time"), subs),
+            "memory_time": lazy_xreplace((total("memory_time") / pp), subs),
+            "compute_time": lazy_xreplace((total("compute_time") / pp), subs),
             "working": _peak(blk["working"], subs),
             "kv_global": blk["kv_global"],
             "kv_local": blk["kv_local"],

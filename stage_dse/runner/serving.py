@@ -32,7 +32,7 @@ from stage_dse.results.schema import config_hash
 from stage_dse.results.store import ResultStore, new_run_id
 from stage_dse.runner.evaluate import finalize_rows
 from stage_dse.runner.sweep import SweepReport
-from stage_dse.spec.serving import ServingSpec, serving_plan, weight_only
+from stage_dse.spec.serving import ServingSpec, replicated_kv_heads, serving_plan, weight_only
 from stage_dse.spec.sweep import ServingSweepSpec, divisors
 
 __all__ = [
@@ -217,7 +217,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
 
 def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int = 1, ep: int = 1):
     """The symbol row and serving key of one replica layout (a ``ConfigError`` when the layout
-    does not suit the model)."""
+    does not suit the model). KV heads fewer than ``tp`` are replicated, one per rank."""
+    model = replicated_kv_heads(model, tp)
     plan = serving_plan(model, tp, pp, serving.batch_size, ep)
     key = serving_key(model, serving, plan)
     like = serving.step_like(hardware, replicas=plan.dp)

@@ -51,7 +51,14 @@ from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import ParallelPlan
 from stage_dse.spec.training import DType, TrainingSpec
 
-__all__ = ["FP4_ALIAS", "ServingSpec", "serving_plan", "validate_serving", "weight_only"]
+__all__ = [
+    "FP4_ALIAS",
+    "ServingSpec",
+    "replicated_kv_heads",
+    "serving_plan",
+    "validate_serving",
+    "weight_only",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +159,19 @@ def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 
     )
 
 
+def replicated_kv_heads(model: ModelSpec, tp: int) -> ModelSpec:
+    """The model as ``tp`` ranks serve it when ``tp`` exceeds its KV heads: each rank holds a
+    copy of the KV head its query heads read (vLLM's ``num_kv_head_replicas = tp /
+    num_kv_heads``, TensorRT-LLM likewise), so every per-GPU cost (KV projection weights,
+    KV cache, attention) is that of a model with ``tp`` KV heads, one per rank. Parameter
+    counts of the returned model include the copies. Unchanged when ``tp`` divides the KV
+    heads, is not a multiple of them, or the model caches a latent (MLA)."""
+    kv = model.num_kv_heads
+    if tp <= kv or tp % kv or model.num_heads % tp or model.is_mla:
+        return model
+    return dataclasses.replace(model, num_kv_heads=tp)
+
+
 def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> None:
     if serving.expert_weights_dtype is not None and not model.is_moe:
         raise ConfigError(
@@ -172,7 +192,12 @@ def validate_serving(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan)
         divides("ep", plan.ep, "experts", model.num_experts)
     divides("tp", plan.tp, "heads", model.num_heads)
     if model.num_kv_heads % plan.tp:
-        raise ConfigError(f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads})")
+        raise ConfigError(
+            f"tp({plan.tp}) is neither a divisor nor a multiple of kv_heads({model.num_kv_heads})"
+            if plan.tp % model.num_kv_heads
+            else f"tp({plan.tp}) does not divide kv_heads({model.num_kv_heads}) (serve the model "
+            "through replicated_kv_heads)"
+        )
     divides("tp", plan.tp, "vocab", model.vocab_size)
     divides("tp", plan.tp, "ffn_hidden_size", model.ffn_hidden_size)
     if plan.pp > model.num_layers:

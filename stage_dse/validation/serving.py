@@ -120,6 +120,17 @@ def _row(case: Case):
     return row, key
 
 
+def _output_lengths(f: dict) -> tuple[str, float]:
+    """How a case's output lengths spread: requests sampled from ShareGPT conversations
+    decode each its own reply's length (the record gives the mean), spread as an exponential
+    capped where the benchmark's sampler drops longer pairs (prompt plus reply at most 2,048
+    tokens: vLLM's ``vllm/benchmarks/datasets.py`` ``is_valid_sequence``, the sampler of
+    ``vllm bench serve``); synthetic and random datasets decode fixed lengths."""
+    if "sharegpt" in str(f.get("dataset", "")).lower():
+        return "exponential", 2048.0
+    return "fixed", np.inf
+
+
 def case_engine(case: Case) -> EngineSpec:
     """The engine profile a case ran on (``none`` where the record names none we have)."""
     name = case.fields.get("engine", "")
@@ -241,6 +252,8 @@ def evaluate_serving(
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
+                output_lengths=np.array([_output_lengths(x)[0] for x in f], dtype=object),
+                max_total_tokens=np.array([_output_lengths(x)[1] for x in f], dtype=float),
                 timing=timing,
             )
             cb.index = cont
