@@ -30,6 +30,7 @@ optimistic; latencies: negative means optimistic).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,7 +75,7 @@ def _row(case: Case):
         raise Unexpressible(f"{case.target['statistic']} latency (the model gives means)")
     model = case_model(case)
     hw = load_hardware(f["hardware"])
-    tp, pp, ep = f["tp"], f.get("pp", 1), f.get("ep", 1)
+    tp, pp, ep = _layout(f)
     if f["n_gpus"] % (tp * pp * ep):
         raise Unexpressible(f"n_gpus({f['n_gpus']}) is not a multiple of tp*pp*ep({tp * pp * ep})")
     cluster = load_cluster(f["cluster"], num_gpus=max(f["n_gpus"], tp * pp * ep))
@@ -110,14 +111,28 @@ def _row(case: Case):
         row, key = serving_row(model, serving, hw, cluster, tp, pp, ep)
     except ConfigError as exc:
         raise Unexpressible(str(exc)) from None
+    tuned = trtllm_bench_limits(model, f, hw, serving.kv_dtype.value, f.get("weights", "bf16"))
     row.update(
         {
+            "tuned_max_batch": tuned[0],
+            "tuned_max_num_tokens": tuned[1],
             "engine": engine.name,
             "step_overhead_s": engine.step_overhead_s,
             "request_overhead_s": engine.request_overhead_s,
         }
     )
     return row, key
+
+
+def _layout(f: dict) -> tuple[int, int, int]:
+    """A record's replica layout ``(tp, pp, ep)``. ``attention_dp`` with no expert
+    parallelism stated (TensorRT-LLM's ``enable_attention_dp``: every rank attends over its
+    own requests, the routed experts split over the ranks) runs attention data-parallel over
+    the ``tp`` ranks: ``ep = tp``, ``tp = 1`` (a dense model has no such layout)."""
+    tp, pp, ep = f["tp"], f.get("pp", 1), f.get("ep", 1)
+    if f.get("attention_dp") and ep == 1 and tp > 1:
+        return 1, pp, tp
+    return tp, pp, ep
 
 
 def _output_lengths(f: dict) -> tuple[str, float]:
@@ -137,12 +152,72 @@ def case_engine(case: Case) -> EngineSpec:
     return load_engine(name) if name in list_presets("engine") else load_engine("none")
 
 
-def _limits(f: dict, engine: EngineSpec) -> tuple[float, float]:
-    """Running-request and token limits: the record's, else the engine's defaults."""
-    return (
-        float(f.get("max_batch", engine.max_running)),
-        float(f.get("max_num_tokens", engine.prefill_budget)),
-    )
+def _limits(f: dict, engine: EngineSpec, tuned=(np.nan, np.nan)) -> tuple[float, float]:
+    """Running-request and token limits: the record's, else what the benchmark tool tuned
+    (``tuned``: :func:`trtllm_bench_limits`, NaN where it does not apply), else the engine's
+    defaults."""
+    batch, tokens = (engine.max_running, engine.prefill_budget)
+    if np.isfinite(tuned[0]):
+        batch, tokens = tuned
+    return float(f.get("max_batch", batch)), float(f.get("max_num_tokens", tokens))
+
+
+def total_params(model) -> float:
+    """All weights of ``model``: embeddings (input and output unless tied), attention, dense
+    MLPs, every routed and shared expert and the routers."""
+    from stage_dse.validation.conventions import _attention_params, _mlp_params
+
+    attn = _attention_params(model)
+    h = model.hidden_size
+    dense = model.num_dense_layers * (attn + _mlp_params(model, model.ffn_hidden_size))
+    moe = 0
+    if model.is_moe:
+        experts = model.num_experts + model.num_shared_experts
+        moe = model.num_moe_layers * (
+            attn + experts * _mlp_params(model, model.moe_ffn_hidden_size) + h * model.num_experts
+        )
+    return float(dense + moe + h * model.vocab_size * (1 if model.tied_embeddings else 2))
+
+
+def trtllm_bench_limits(model, f: dict, hardware, kv: str, weights: str) -> tuple[float, float]:
+    """``max_batch`` and ``max_num_tokens`` as ``trtllm-bench throughput`` picks them when the
+    command gives neither (``tensorrt_llm/bench/build/tuning.py``, ``calc_engine_setting`` and
+    ``finetune_setting``): the requests of ``isl + osl`` tokens whose KV cache fits in 0.95 of
+    the memory the whole engine leaves (all ``tp x pp`` GPUs, weights at 2, 1 or 0.5 bytes per
+    parameter for bf16, FP8 and NVFP4 checkpoints, at least one KV head per tensor-parallel
+    rank), capped at 4,096 and split over the pipeline stages, rounded up (at least 64); the
+    token budget that batch times ``1 + isl / osl``, capped at 32,768, rounded up (at least
+    2,048). NaN where the heuristic does not apply (other tools, latent attention: its KV
+    count is not the model's)."""
+    client = str((f.get("details") or {}).get("benchmark_client", ""))
+    if not client.startswith("trtllm-bench") or model.is_mla:
+        return np.nan, np.nan
+    per_param = {"fp8": 1.0, "fp4": 0.5, "nvfp4": 0.5}.get(weights, 2.0)
+    per_kv = 1.0 if kv == "fp8" else 2.0
+    tp, pp = f["tp"], f.get("pp", 1)
+    gib = 2.0**30
+    kv_heads = max(tp, model.num_kv_heads)
+    per_token_gib = 2 * model.num_layers * kv_heads * model.head_dim * per_kv / gib
+    engine_gib = total_params(model) * per_param / gib
+    free_gib = hardware.hbm_bytes / gib * tp * pp - engine_gib
+    requests = free_gib * 0.95 / (per_token_gib * (f["isl"] + f["osl"]))
+    if requests < 1:
+        return np.nan, np.nan
+    raw_bs = min(requests, 4096) / pp
+    raw_tokens = min(raw_bs * (1 + f["isl"] / f["osl"]), 32768)
+    if raw_bs < 256:
+        batch = max(64, 32 * math.ceil(raw_bs / 32))
+    elif raw_bs < 1024:
+        batch = 128 * math.ceil(raw_bs / 128)
+    else:
+        batch = 256 * math.ceil(raw_bs / 256)
+    if raw_tokens < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
+    elif raw_tokens < 8192:
+        tokens = 512 * math.ceil(raw_tokens / 512)
+    else:
+        tokens = 1024 * math.ceil(raw_tokens / 1024)
+    return float(batch), float(tokens)
 
 
 @dataclass
@@ -231,7 +306,14 @@ def evaluate_serving(
         if cont:
             sel = [index[cid] for cid in cont]
             f = [by_id[cid].fields for cid in cont]
-            limits = [_limits(x, case_engine(by_id[cid])) for x, cid in zip(f, cont)]
+            limits = [
+                _limits(
+                    x,
+                    case_engine(by_id[cid]),
+                    (table.iloc[i]["tuned_max_batch"], table.iloc[i]["tuned_max_num_tokens"]),
+                )
+                for x, cid, i in zip(f, cont, sel)
+            ]
             replicas = [x["n_gpus"] / (x["tp"] * x.get("pp", 1) * x.get("ep", 1)) for x in f]
             rate = [x.get("request_rate", 0.0) / r for x, r in zip(f, replicas)]
             # clients and bursts over the deployment's replicas
@@ -247,7 +329,7 @@ def evaluate_serving(
                 sub,
                 [keys[i] for i in sel],
                 # the engine's limit over the replica, per attention rank (ep of them)
-                np.array([m / x.get("ep", 1) for (m, _), x in zip(limits, f)], dtype=float),
+                np.array([m / _layout(x)[2] for (m, _), x in zip(limits, f)], dtype=float),
                 np.array([c for _, c in limits], dtype=float),
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
@@ -271,7 +353,7 @@ def evaluate_serving(
         if f["mode"] == "static":
             # the engine's costs on the prefill iteration and on each decode iteration
             over = float(table.iloc[i]["step_overhead_s"])
-            per_request = float(table.iloc[i]["request_overhead_s"]) * f["batch"] / f.get("ep", 1)
+            per_request = float(table.iloc[i]["request_overhead_s"]) * f["batch"] / _layout(f)[2]
             ttft = float(s["serve_ttft_s"]) + over + per_request
             tpot = float(s["serve_tpot_s"]) + over + per_request
             e2e = ttft + (f["osl"] - 1) * tpot
@@ -311,7 +393,7 @@ def evaluate_serving(
                 "reason": reason,
                 "predicted": metric,
                 "err_pct": 100 * (metric / case.value - 1),
-                "plan": f"tp{f['tp']} pp{f.get('pp', 1)} ep{f.get('ep', 1)} {f['mode']}",
+                "plan": "tp{} pp{} ep{} ".format(*_layout(f)) + f["mode"],
                 "model": str(table.iloc[i]["model"]),
                 "hardware": f["hardware"],
                 "num_gpus": f["n_gpus"],
