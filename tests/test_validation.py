@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import gpt
 
@@ -135,3 +136,40 @@ def test_unknown_preset_lists_the_valid_ones():
 def test_errors_share_one_root():
     assert issubclass(ConfigError, StageDseError)
     assert issubclass(ConfigError, ValueError)
+
+
+def test_attention_dp_records_split_experts_over_their_tensor_parallel_ranks():
+    from stage_dse.validation.serving import _layout
+
+    assert _layout({"tp": 8, "attention_dp": True}) == (1, 1, 8)
+    assert _layout({"tp": 4, "ep": 4, "attention_dp": True}) == (4, 1, 4)  # ep stated: as given
+    assert _layout({"tp": 8}) == (8, 1, 1)
+
+
+def test_trtllm_bench_limits_follow_the_kv_cache_the_engine_leaves():
+    from stage_dse.config import load_hardware, load_model
+    from stage_dse.validation.serving import total_params, trtllm_bench_limits
+
+    bench = {"details": {"benchmark_client": "trtllm-bench throughput (offline)"}}
+    model = load_model("llama3_70b")
+    assert total_params(model) == pytest.approx(70.6e9, rel=0.01)
+    h100, h200 = load_hardware("h100_sxm"), load_hardware("h200")
+    got = []
+    for hw in (h100, h200):
+        f = {**bench, "tp": 2, "isl": 1000, "osl": 1000}
+        batch, tokens = trtllm_bench_limits(model, f, hw, "fp8", "fp8")
+        assert batch >= 64 and batch % 32 == 0
+        assert 2048 <= tokens <= 32768 and tokens % 256 == 0
+        got.append(batch)
+    assert got[1] > got[0]  # more memory, more requests in the cache
+    # long prompts: the token budget grows with 1 + isl / osl (rounded to 1,024 above 8,192)
+    long = trtllm_bench_limits(
+        model, {**bench, "tp": 8, "isl": 20000, "osl": 200}, h200, "fp8", "fp8"
+    )
+    assert 8192 <= long[1] <= 32768 and long[1] % 1024 == 0 and long[1] > tokens
+    # other clients and latent attention: not this heuristic
+    other = {"details": {"benchmark_client": "vllm bench serve"}, "tp": 2, "isl": 1, "osl": 1}
+    assert np.isnan(trtllm_bench_limits(model, other, h100, "fp8", "fp8")[0])
+    dsv3 = load_model("deepseek_v3")
+    f = {**bench, "tp": 8, "isl": 1000, "osl": 1000}
+    assert np.isnan(trtllm_bench_limits(dsv3, f, h200, "fp8", "fp8")[0])
