@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -513,3 +514,38 @@ def test_plot_keeps_questions_apart_and_serving_rows_in_their_own_figure(tmp_pat
         "memory_breakdown.png",
     ]
     assert all(f.stat().st_size > 0 for f in files)
+
+
+def test_repeated_axis_values_are_one_value(tmp_path, capsys):
+    """``num_gpus=[16,16]`` stores each configuration once (not every row twice) and the
+    summary says the repeat was merged; a repeated serving axis likewise; through the Python
+    API, a repeated GPU count, model or hardware is evaluated once."""
+    common = [f"results_dir={tmp_path}", "runner=local", "runner.progress=false"]
+    once = run(compose_cfg([*common, "sweep_name=once", "num_gpus=[16]"]))
+    capsys.readouterr()
+    twice = run(compose_cfg([*common, "sweep_name=twice", "num_gpus=[16,16]", "top_k=3"]))
+    out = capsys.readouterr().out
+    assert twice == once > 0
+    df = load(tmp_path / "twice")
+    assert len(df) == once and df["config_hash"].is_unique
+    assert "repeated values are one value: num_gpus=[16,16] is [16]" in out
+    assert f"evaluated {once:,} in" in out
+
+    run(compose_cfg([*common, "sweep_name=sv", "workload=serving", "serving.batch_size=[8,8,1]"]))
+    out = capsys.readouterr().out
+    assert "serving.batch_size=[8,8,1] is [8,1]" in out
+    sv = load(tmp_path / "sv")
+    assert sv["config_hash"].is_unique and set(sv["global_batch"]) == {8, 1}
+
+    spec = small_spec(gpus=(16, 16))
+    spec = replace(spec, models=spec.models * 2, hardware=spec.hardware * 2)
+    logged: list[str] = []
+    report = run_grid(
+        spec, LocalExecutor(), ResultStore(tmp_path / "api"), progress=False, log=logged.append
+    )
+    single = run_grid(
+        small_spec(gpus=(16,)), LocalExecutor(), ResultStore(tmp_path / "api1"), progress=False
+    )
+    assert report.valid == report.evaluated == single.valid
+    assert load(tmp_path / "api")["config_hash"].is_unique
+    assert any(line.startswith("note: repeated values are one value: num_gpus") for line in logged)

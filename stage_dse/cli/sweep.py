@@ -72,11 +72,13 @@ def _rows_of_run(
     return rows
 
 
-def _print_outcomes(store, df, report, rejected_title: str) -> None:
+def _print_outcomes(store, df, report, rejected_title: str, repeats=()) -> None:
     print(
         f"\nresults: {store.root} ({len(df):,} rows; this run, {report.run_id}, evaluated "
         f"{report.evaluated:,} in {report.seconds:.1f} s)"
     )
+    if repeats:
+        print(f"repeated values are one value: {'; '.join(repeats)}")
     if report.runner:
         print(f"runner: {report.runner}")
     if report.status:
@@ -87,6 +89,54 @@ def _print_outcomes(store, df, report, rejected_title: str) -> None:
         print(_fmt_counter(report.rejected))
 
 
+AXES = (
+    "num_gpus",
+    *(
+        f"plan.{a}"
+        for a in (
+            "tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size", "zero_stage",
+            "recompute", "sequence_parallel", "attention", "virtual_stages", "stage_layers",
+            "rank_order",
+        )
+    ),
+    *(
+        f"serving.{a}"
+        for a in ("tp", "pp", "ep", "batch_size", "prompt_len", "prefill_budget", "hardware")
+    ),
+    *(f"search.{a}" for a in ("gpus", "hardware", "hbm_gib", "inter_gbit_s", "objectives")),
+)  # fmt: skip
+"""The list-valued options that are sets of values to sweep (a repeated value is one value)."""
+
+
+def merge_repeats(cfg: DictConfig) -> list[str]:
+    """Make each repeated value of a swept axis one value, in place (``num_gpus=[64,64]`` is
+    ``[64]``: the same configurations twice would be evaluated and stored twice); one note per
+    axis changed. ``plan.stage_layers`` given as one split (a list of integers) is left alone:
+    its repeats are layer counts."""
+    from omegaconf import ListConfig, OmegaConf
+
+    notes = []
+    for key in AXES:
+        node = OmegaConf.select(cfg, key)
+        if not isinstance(node, ListConfig):
+            continue
+        values = OmegaConf.to_container(node, resolve=True)
+        if key == "plan.stage_layers" and all(isinstance(v, int) for v in values):
+            continue
+        unique: list = []
+        for v in values:
+            if not any(type(v) is type(u) and v == u for u in unique):
+                unique.append(v)
+        if len(unique) < len(values):
+            OmegaConf.update(cfg, key, unique, merge=False)
+            notes.append(f"{key}={_flat(values)} is {_flat(unique)}")
+    return notes
+
+
+def _flat(values: list) -> str:
+    return "[" + ",".join(str(v).replace(" ", "") for v in values) + "]"
+
+
 def run(cfg: DictConfig) -> int:
     """One Hydra job: the whole sweep; returns the number of rows evaluated."""
     from stage_dse.results.store import ResultStore
@@ -94,10 +144,11 @@ def run(cfg: DictConfig) -> int:
     from stage_dse.runner.sweep import run_grid, top_table
 
     check_top_level(cfg)
+    repeats = merge_repeats(cfg)
     if cfg.mode == "recommend":
         return _run_recommend(cfg)
     if cfg.workload == "serving":
-        return _run_serving(cfg)
+        return _run_serving(cfg, repeats)
     if cfg.workload != "training":
         raise StageDseError(f"workload={cfg.workload!r} is not one of: training, serving")
     spec = to_sweep(cfg)
@@ -138,7 +189,7 @@ def run(cfg: DictConfig) -> int:
             "or batch"
         )
     df = store.read()
-    _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:")
+    _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:", repeats)
     limit = spec.memory_limit_bytes
     for hw in spec.hardware:
         usable = min(hw.usable_bytes, limit) if limit else hw.usable_bytes
@@ -199,7 +250,7 @@ def run(cfg: DictConfig) -> int:
     return report.evaluated
 
 
-def _run_serving(cfg: DictConfig) -> int:
+def _run_serving(cfg: DictConfig, repeats=()) -> int:
     from stage_dse.config.schema import to_serving_sweep
     from stage_dse.results.store import ResultStore
     from stage_dse.runner.serving import run_serving, serving_top_table
@@ -210,7 +261,7 @@ def _run_serving(cfg: DictConfig) -> int:
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     report = run_serving(spec, store, timing=timing)
     df = store.read()
-    _print_outcomes(store, df, report, "configurations rejected, by rule:")
+    _print_outcomes(store, df, report, "configurations rejected, by rule:", repeats)
     if timing == "measured":
         _print_tables_note(spec.hardware)
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -160,8 +160,32 @@ def _start_and_compile(executor, keys: list, plans: int, log) -> None:
         log(f"  compiled up to {len(keys)} plan families in {time.perf_counter() - t:.1f} s")
 
 
+def unique_axes(spec: SweepSpec) -> tuple[SweepSpec, list[str]]:
+    """``spec`` with each repeated model, hardware and GPU count once (the same configurations
+    twice would be evaluated and stored twice), and what was merged."""
+    changes, notes = {}, []
+    for field_name, label, key in (
+        ("gpu_counts", "num_gpus", lambda v: v),
+        ("models", "models", lambda m: m),
+        ("hardware", "hardware", lambda h: h),
+    ):
+        values = getattr(spec, field_name)
+        unique = []
+        for v in values:
+            if not any(key(v) == key(u) for u in unique):
+                unique.append(v)
+        if len(unique) < len(values):
+            changes[field_name] = tuple(unique)
+            shown = [getattr(v, "name", v) for v in values]
+            notes.append(f"{label} {shown} evaluated as {[getattr(v, 'name', v) for v in unique]}")
+    return (replace(spec, **changes) if changes else spec), notes
+
+
 def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> SweepReport:
     t0 = time.perf_counter()
+    spec, merged = unique_axes(spec)
+    for note in merged:
+        log(f"note: repeated values are one value: {note}")
     report = SweepReport(name=spec.name, run_id=new_run_id())
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
