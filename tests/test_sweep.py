@@ -549,3 +549,25 @@ def test_repeated_axis_values_are_one_value(tmp_path, capsys):
     assert report.valid == report.evaluated == single.valid
     assert load(tmp_path / "api")["config_hash"].is_unique
     assert any(line.startswith("note: repeated values are one value: num_gpus") for line in logged)
+
+
+def test_memory_line_of_an_optuna_codesign_run_names_each_capacity(tmp_path, capsys):
+    run(
+        compose_cfg(
+            [
+                f"results_dir={tmp_path}",
+                "search=optuna",
+                "search.n_trials=8",
+                "search.batch_size=8",
+                "search.hbm_gib=[40,141]",
+                "num_gpus=[16]",
+                "runner=local",
+                "runner.progress=false",
+            ]
+        )
+    )
+    out = capsys.readouterr().out
+    hw = load_hardware("h100_sxm")
+    shown = ", ".join(f"{g - hw.memory_reserve_bytes / 2**30:.1f}" for g in (40, 141))
+    line = f"memory judged against: {shown} GiB usable per h100_sxm GPU (search.hbm_gib=[40,141])"
+    assert line in out

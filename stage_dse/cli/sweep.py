@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from stage_dse.cli._common import check_jobs, fail, precheck
 from stage_dse.config.presets import conf_dir
 from stage_dse.config.schema import check_top_level, register_schemas, to_optuna, to_sweep
-from stage_dse.errors import StageDseError
+from stage_dse.errors import ConfigError, StageDseError
 
 __all__ = ["main", "run"]
 
@@ -108,6 +108,22 @@ AXES = (
 """The list-valued options that are sets of values to sweep (a repeated value is one value)."""
 
 
+def check_run_options(cfg: DictConfig) -> None:
+    """The options of the run itself (how many rows to show, where and how to evaluate)."""
+    top_k = cfg.top_k
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"top_k must be an integer >= 1 (rows of the top table), got {top_k!r}")
+    if cfg.search.kind not in ("grid", "optuna"):
+        raise ConfigError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
+    if cfg.runner.batch_size <= 0:
+        raise ConfigError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
+    if not 0 < cfg.runner.connect_timeout_s < float("inf"):
+        raise ConfigError(
+            f"runner.connect_timeout_s must be a number of seconds > 0, got "
+            f"{cfg.runner.connect_timeout_s}"
+        )
+
+
 def merge_repeats(cfg: DictConfig) -> list[str]:
     """Make each repeated value of a swept axis one value, in place (``num_gpus=[64,64]`` is
     ``[64]``: the same configurations twice would be evaluated and stored twice); one note per
@@ -144,6 +160,7 @@ def run(cfg: DictConfig) -> int:
     from stage_dse.runner.sweep import run_grid, top_table
 
     check_top_level(cfg)
+    check_run_options(cfg)
     repeats = merge_repeats(cfg)
     if cfg.mode == "recommend":
         return _run_recommend(cfg)
@@ -152,15 +169,6 @@ def run(cfg: DictConfig) -> int:
     if cfg.workload != "training":
         raise StageDseError(f"workload={cfg.workload!r} is not one of: training, serving")
     spec = to_sweep(cfg)
-    if cfg.search.kind not in ("grid", "optuna"):
-        raise StageDseError(f"search.kind={cfg.search.kind!r} is not one of: grid, optuna")
-    if cfg.runner.batch_size <= 0:
-        raise StageDseError(f"runner.batch_size must be > 0, got {cfg.runner.batch_size}")
-    if not 0 < cfg.runner.connect_timeout_s < float("inf"):
-        raise StageDseError(
-            f"runner.connect_timeout_s must be a number of seconds > 0, got "
-            f"{cfg.runner.connect_timeout_s}"
-        )
     search = to_optuna(cfg) if cfg.search.kind == "optuna" else None
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     executor = make_executor(
@@ -190,10 +198,7 @@ def run(cfg: DictConfig) -> int:
         )
     df = store.read()
     _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:", repeats)
-    limit = spec.memory_limit_bytes
-    for hw in spec.hardware:
-        usable = min(hw.usable_bytes, limit) if limit else hw.usable_bytes
-        print(f"memory judged against: {usable / GIB:.1f} GiB usable per {hw.name} GPU")
+    _print_memory_basis(spec, search)
     if spec.timing == "measured":
         _print_tables_note(spec.hardware)
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
@@ -248,6 +253,24 @@ def run(cfg: DictConfig) -> int:
                     f"({-r.mem_headroom_bytes:,.0f} bytes)"
                 )
     return report.evaluated
+
+
+def _print_memory_basis(spec, search) -> None:
+    """The usable memory per GPU each plan was judged against: the hardware the run sampled
+    (Optuna's ``search.hardware``) at each capacity it sampled (``search.hbm_gib``), capped by
+    ``budget.memory_gib``."""
+    limit = spec.memory_limit_bytes
+    hardware = (search.hardware if search is not None else ()) or spec.hardware
+    capacities = search.hbm_gib if search is not None else ()
+    for hw in hardware:
+        variants = [hw.replace(hbm_bytes=g * GIB) for g in sorted(capacities)] or [hw]
+        usable = [min(v.usable_bytes, limit) if limit else v.usable_bytes for v in variants]
+        shown = ", ".join(f"{u / GIB:.1f}" for u in usable)
+        axis = f" (search.hbm_gib=[{','.join(f'{g:g}' for g in sorted(capacities))}])"
+        print(
+            f"memory judged against: {shown} GiB usable per {hw.name} GPU"
+            + (axis if capacities else "")
+        )
 
 
 def _run_serving(cfg: DictConfig, repeats=()) -> int:
@@ -459,6 +482,7 @@ def validate_config(cfg: DictConfig) -> None:
     from stage_dse.config.schema import to_serving_sweep
 
     check_top_level(cfg)
+    check_run_options(cfg)
     if cfg.workload == "serving" or cfg.mode == "recommend":
         spec = to_serving_sweep(cfg)
         _serving_timing(cfg, spec.hardware)

@@ -33,8 +33,9 @@ def non_negative_int(owner: str, field: str, value: object) -> None:
 
 
 def non_negative_number(owner: str, field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"{owner}.{field} must be a number >= 0, got {value!r}")
+    _finite(owner, field, value)
 
 
 def positive_number(owner: str, field: str, value: object) -> None:
@@ -42,6 +43,13 @@ def positive_number(owner: str, field: str, value: object) -> None:
         raise ConfigError(f"{owner}.{field} must be a number, got {value!r}")
     if not value > 0:
         raise ConfigError(f"{owner}.{field} must be > 0, got {value}")
+    _finite(owner, field, value)
+
+
+def _finite(owner: str, field: str, value: float) -> None:
+    """An infinite peak, bandwidth or capacity would make every plan free or fit."""
+    if value == float("inf"):
+        raise ConfigError(f"{owner}.{field} must be a finite number, got {value}")
 
 
 def divides(small_name: str, small: int, big_name: str, big: int) -> None:
