@@ -62,6 +62,9 @@ PUBLISHED = [
     # active; the active counts hold the unembedding and not the embedding
     ("gpt_oss_120b", 116.83e9, 5.13e9, "output", 0.001, "gpt-oss model card"),
     ("gpt_oss_20b", 20.91e9, 3.61e9, "output", 0.001, "gpt-oss model card"),
+    # DeepSeek-V3.2-Exp report: DeepSeek-V3.1-Terminus (the V3 architecture, 671B / 37B active)
+    # with the indexer added, which a training graph leaves out (0.85B)
+    ("deepseek_v3_2", 671e9, 37e9, True, 0.02, "DeepSeek-V3.2-Exp / V3 reports"),
 ]
 
 

@@ -67,8 +67,8 @@ def bind(model: ModelSpec, training: TrainingSpec, plan: ParallelPlan) -> dict[s
 
 
 def moe_values(model: ModelSpec) -> dict[str, float]:
-    """Mixture-of-experts, latent-attention and sliding-window symbols (neutral values where a
-    model's graph has none)."""
+    """Mixture-of-experts, latent-attention, sparse-attention and sliding-window symbols
+    (neutral values where a model's graph has none)."""
     return {
         "experts": model.num_experts or 1,
         "top_k": model.top_k or 1,
@@ -77,6 +77,9 @@ def moe_values(model: ModelSpec) -> dict[str, float]:
         "capacity_factor": float(model.capacity_factor),
         "dense_layers": model.first_dense_layers,
         "moe_interval": model.moe_layer_interval,
+        "topk_tokens": model.sparse_attention_topk or 1,
+        "index_heads": model.indexer_heads or 1,
+        "index_dim": model.indexer_head_dim or 1,
         "window": model.sliding_window or 1,
         "full_interval": model.full_attention_interval or model.num_layers + 1,
         "q_lora": model.q_lora_rank or 1,

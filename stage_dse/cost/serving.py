@@ -467,7 +467,9 @@ class _Measure:
             kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
             return self._time(kernel) / clock + quantize
         if op.kind is OpKind.ATTENTION:
-            if S.window in op.executed_fraction.free_symbols:
+            if len(op.inputs) < 3:  # DSA's index scores (no values): no table
+                return _compute_time(op)
+            if op.executed_fraction.free_symbols & {S.window, S.topk_tokens}:
                 return _compute_time(op)  # banded prefill: the tables hold full causal runs
             return self._time(self._attention(op)) / clock
         return _compute_time(op)

@@ -65,6 +65,7 @@ MODEL_KEY_COLUMNS = (
     "has_dense_layers",
     "mla",
     "sliding_window",
+    "sparse_attention",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -107,6 +108,7 @@ def key_from_values(v: dict) -> CostKey:
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
+        sparse_attention=bool(v["sparse_attention"]),
     )
     return CostKey(
         graph=graph,
@@ -138,6 +140,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "has_dense_layers": model.has_dense_layers,
         "mla": model.is_mla,
         "sliding_window": model.has_sliding_window,
+        "sparse_attention": model.has_sparse_attention,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,

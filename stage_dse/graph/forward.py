@@ -82,6 +82,31 @@ class ForwardOps(LayoutOps):
         )
         return out
 
+    def select(self, name: str, x: Tensor, axes: Sequence[Axis], role: Role) -> Tensor:
+        """Some rows of ``x`` (a top-k selection) that the op reading the result gathers in
+        place: no copy, no cost of its own; the result aliases ``x``."""
+        out = Tensor(
+            name=name,
+            role=role,
+            axes=tuple(axes),
+            layout=x.layout,
+            dtype_bytes=x.dtype_bytes,
+            scope=self._scope,
+            partial=x.partial,
+        )
+        self._record(
+            Op(
+                kind=OpKind.VIEW,
+                name=f"select:{x.name}",
+                inputs=(x,),
+                outputs=(out,),
+                phase=Phase.FORWARD,
+                scope=self._scope,
+                region=self._region,
+            )
+        )
+        return out
+
     def permute(
         self,
         name: str,
@@ -374,6 +399,42 @@ class ForwardOps(LayoutOps):
                     if window is None
                     else banded_fraction(seq_q.extent, window)
                 ),
+                axes_iter=tuple(idx),
+                layout_iter=tuple(lay[ax] for ax in idx),
+            )
+        )
+        return out
+
+    def index_scores(
+        self, name: str, q: Tensor, keys: Tensor, out_axes: Sequence[Axis], *, causal: bool
+    ) -> Tensor:
+        """A fused scoring kernel, every query against every key, contracting all axes but
+        ``out_axes`` (DeepSeek Sparse Attention's indexer: heads and head width): one
+        attention-class kernel, as the sparse-attention kernels run it, that skips the tiles
+        above the diagonal when ``causal``. Serving only (no backward rule)."""
+        out = self.tensor(
+            name, Role.ACTIVATION, out_axes, [dict(zip(q.axes, q.layout)).get(ax, ())
+                                              if ax in q.axes else ()
+                                              for ax in out_axes], 4,
+        )  # fmt: skip
+        lay = {**dict(zip(keys.axes, keys.layout)), **dict(zip(q.axes, q.layout))}
+        idx = dedupe([*q.axes, *keys.axes])
+        local = 2 * sp.Mul(*[ax.extent / degree(lay[ax]) for ax in idx])
+        seq_q = next(ax for ax in out_axes if ax in q.axes and ax not in keys.axes)
+        self._record(
+            Op(
+                kind=OpKind.ATTENTION,
+                name=name,
+                inputs=(q, keys),
+                outputs=(out,),
+                phase=Phase.FORWARD,
+                scope=self._scope,
+                region=self._region,
+                flops=local,
+                global_flops=2 * sp.Mul(*[ax.extent for ax in idx]),
+                bytes=q.local_bytes + keys.local_bytes + out.local_bytes,
+                matmul=True,
+                executed_fraction=causal_fraction(seq_q.extent) if causal else sp.Integer(1),
                 axes_iter=tuple(idx),
                 layout_iter=tuple(lay[ax] for ax in idx),
             )

@@ -50,6 +50,12 @@ class Symbols:
     """Leading dense-MLP layers of a mixture-of-experts model (``first_dense_layers``)."""
     moe_interval = _sym("moe_interval")
     """After them, every ``moe_interval``-th layer is MoE (``moe_layer_interval``; 1 otherwise)."""
+    # DeepSeek Sparse Attention (bound to 1 for other models, where they do not appear)
+    topk_tokens = _sym("topk_tokens")
+    """Tokens a query's sparse attention reads (``sparse_attention_topk``)."""
+    index_heads = _sym("index_heads")
+    index_dim = _sym("index_dim")
+    """The lightning indexer's heads and head width (``indexer_heads``, ``indexer_head_dim``)."""
     # sliding-window attention (bound to 1 for other models, where they do not appear)
     window = _sym("window")
     """Positions a windowed attention layer attends to and caches (``sliding_window``)."""

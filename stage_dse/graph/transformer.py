@@ -72,6 +72,10 @@ class DIMS:
     positions = Axis("p", S.positions)
     context = Axis("t", S.context)
     """Serving: the key side of attention spans the context (cache) length."""
+    selected = Axis("t", sp.Min(S.context, S.topk_tokens))
+    """Serving under DeepSeek Sparse Attention, decode: the cached positions a query reads."""
+    index_heads = Axis("ih", S.index_heads)
+    index_dim = Axis("id", S.index_dim)
     window_context = Axis("t", sp.Min(S.context, S.window))
     """Serving, a sliding-window layer in decode: the positions it caches and attends to."""
     last = Axis("one", sp.Integer(1))
@@ -120,6 +124,9 @@ class GraphKey:
     sliding_window: bool = False
     """Some layers attend over a sliding window (a windowed block section;
     :func:`stage_dse.graph.layers.windowed_layers_among` counts them)."""
+    sparse_attention: bool = False
+    """DeepSeek Sparse Attention: a lightning indexer, and latent attention over the top-k
+    tokens it selects (serving graphs; training graphs keep dense attention)."""
     expert_param_bytes: float = 0
     """Serving: bytes per routed-expert weight value when the experts have their own format
     (gpt-oss: MXFP4 experts, the rest bf16); 0: ``param_bytes``."""
@@ -145,6 +152,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         expert_tensor_parallel=plan.expert_tensor_parallel,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
+        sparse_attention=model.has_sparse_attention,
     )
 
 
@@ -288,6 +296,9 @@ class _Builder:
         Dq, Dn, Dv = DIMS.qk_dim, DIMS.nope_dim, DIMS.v_dim
         cq = g.einsum("q_a_proj", ln1g, self.w("q_a_proj.weight", [H, QL], [(), ()]), [Bt, Sq, QL])
         cq = self.norm("q_a_norm", cq)
+        sparse = bool(self.serving) and self.k.sparse_attention
+        if sparse:
+            self.indexer(ln1g, cq)
         if self.serving == "decode":
             return self.latent_attention_decode(ln1g, cq)
         q = g.einsum(
@@ -313,7 +324,16 @@ class _Builder:
         with g.region(Region.ATTENTION_CORE):
             if self.k.attention is AttentionKernel.FLASH:
                 ctx = g.attention(
-                    "core_attention", q, k, v, Sq, Tk, [Bt, Sq, A, Dv], [Bt, A, Sq], causal=True
+                    "core_attention",
+                    q,
+                    k,
+                    v,
+                    Sq,
+                    Tk,
+                    [Bt, Sq, A, Dv],
+                    [Bt, A, Sq],
+                    causal=True,
+                    window=S.topk_tokens if sparse else None,
                 )
             else:
                 scores = g.einsum("scores", q, k, [Bt, A, Sq, Tk])
@@ -322,6 +342,41 @@ class _Builder:
                 ctx = g.einsum("context", probs, v, [Bt, Sq, A, Dv])
         wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
         return g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
+
+    def indexer(self, ln1g: Tensor, cq: Tensor) -> Tensor:
+        """DeepSeek Sparse Attention's lightning indexer (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp:
+        Boosting Long-Context Efficiency with DeepSeek Sparse Attention", sec. 2.1): index
+        scores ``I(t, s) = sum_j w_tj ReLU(q_tj . k_s)`` of every query against every cached
+        key, over ``index_heads`` heads of ``index_dim``; queries from the query latent, head
+        weights from the hidden state, one key per token cached in FP8 (1 byte a value; its
+        per-token scale left out). Replicated on every tensor-parallel rank (vLLM's
+        ``ReplicatedLinear``). The scores are one fused attention-class kernel (DeepGEMM's
+        MQA-logits kernels) over the causal pairs in prefill and the whole cache in decode,
+        timed like attention (its FP8 rate, twice the 16-bit one, is not taken); the ReLU,
+        the head weighting and the top-k selection after it are not costed."""
+        g = self.g
+        Bt, Sq, H, QL = DIMS.batch, DIMS.seq, DIMS.hidden, DIMS.q_lora
+        IH, ID, T = DIMS.index_heads, DIMS.index_dim, DIMS.context
+        keys_of = ln1g if self.serving == "decode" else g.view(ln1g, [Bt, DIMS.kseq, H])
+        q = g.einsum(
+            "indexer.wq_b", cq, self.w("indexer.wq_b.weight", [QL, IH, ID], [(), (), ()]),
+            [Bt, Sq, IH, ID],
+        )  # fmt: skip
+        k = g.einsum(
+            "indexer.wk", keys_of, self.w("indexer.wk.weight", [H, ID], [(), ()]),
+            [Bt, keys_of.axes[1], ID],
+        )  # fmt: skip
+        k = self.norm("indexer.k_norm", k)
+        g.einsum(
+            "indexer.weights_proj", ln1g,
+            self.w("indexer.weights_proj.weight", [H, IH], [(), ()]), [Bt, Sq, IH],
+        )  # fmt: skip
+        cache = g.tensor("index_key_cache", Role.KV_CACHE, [Bt, T, ID], [k.layout[0], (), ()], 1)
+        g.permute("index_key_cache_write", k, k.axes, k.layout)
+        with g.region(Region.ATTENTION_CORE):
+            return g.index_scores(
+                "indexer.scores", q, cache, [Bt, Sq, T], causal=self.serving != "decode"
+            )
 
     def latent_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """MLA's shared key/value side of ``x`` ([batch, positions, hidden], whole on every
@@ -371,6 +426,9 @@ class _Builder:
         )
         q_rope = g.pointwise(ROPE, "q_rope", q_rope)
         cache = self.latent_cache(*self.latent_kv(ln1g))
+        if self.k.sparse_attention:  # the top-k positions the indexer chose, read in place
+            T = DIMS.selected
+            cache = g.select("latent_selected", cache, [Bt, T, KC], Role.ACTIVATION)
         wk = self.w("k_b_proj.weight", [KL, A, Dn], heads)
         q_lat = g.einsum("q_absorb", q_nope, wk, [Bt, Sq, A, KL])
         q = g.permute("q_concat", q_lat, [Bt, Sq, A, KC], q_lat.layout, weights=q_rope)

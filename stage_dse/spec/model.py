@@ -103,6 +103,15 @@ class ModelSpec:
     """Tokens a windowed (banded) attention layer attends to: each query sees itself and the
     ``sliding_window - 1`` positions before it, and the layer caches at most that many
     positions per sequence. 0: every layer attends over the whole context."""
+    sparse_attention_topk: int = 0
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): each query attends to the ``k`` earlier
+    tokens its lightning indexer scores highest (``index_topk``, 2048), its latent attention
+    over at most that many; 0: dense attention. Needs latent attention and the indexer's
+    sizes."""
+    indexer_heads: int = 0
+    """DSA: heads of the lightning indexer (``index_n_heads``, 64)."""
+    indexer_head_dim: int = 0
+    """DSA: width of an indexer head and of its cached key (``index_head_dim``, 128)."""
     full_attention_interval: int = 0
     """With ``sliding_window``: layer ``i`` (0-based) attends over the whole context when
     ``(i + 1)`` is a multiple of k, the others over the window (gpt-oss: 2, windowed layers
@@ -184,6 +193,28 @@ class ModelSpec:
                 f"model.num_heads({self.num_heads})"
             )
         self._check_window()
+        self._check_sparse()
+
+    def _check_sparse(self) -> None:
+        fields = ("sparse_attention_topk", "indexer_heads", "indexer_head_dim")
+        for field in fields:
+            non_negative_int("model", field, getattr(self, field))
+        if not self.sparse_attention_topk:
+            if self.indexer_heads or self.indexer_head_dim:
+                raise ConfigError(
+                    "model.indexer_heads/indexer_head_dim need sparse_attention_topk > 0"
+                )
+            return
+        if not self.is_mla:
+            raise ConfigError(
+                "model.sparse_attention_topk (DeepSeek Sparse Attention) needs latent attention "
+                "(q_lora_rank > 0)"
+            )
+        if not (self.indexer_heads and self.indexer_head_dim):
+            raise ConfigError(
+                "model.sparse_attention_topk needs indexer_heads and indexer_head_dim > 0 (the "
+                "lightning indexer's sizes)"
+            )
 
     def _check_window(self) -> None:
         for field in ("sliding_window", "full_attention_interval"):
@@ -245,6 +276,11 @@ class ModelSpec:
     def has_dense_layers(self) -> bool:
         """A mixture-of-experts model with some dense-MLP layers (a second block section)."""
         return self.is_moe and self.num_dense_layers > 0
+
+    @property
+    def has_sparse_attention(self) -> bool:
+        """DeepSeek Sparse Attention (``sparse_attention_topk > 0``)."""
+        return self.sparse_attention_topk > 0
 
     @property
     def has_sliding_window(self) -> bool:
