@@ -1,21 +1,45 @@
 """``recommend``: the fewest GPUs that serve a request rate within latency targets (SLAs).
 
-For one model, GPU and workload (prompt and output lengths), every candidate deployment is
-costed with the serving model and sized to the target rate:
+For one model, GPU and workload (prompt and output lengths, or a request mix), every candidate
+deployment is costed with the serving model and sized to the target rate:
 
-* **aggregated** replicas (tensor parallelism ``tp``, continuous batching with at most ``R``
-  running requests and a prefill budget of ``C`` tokens per step, :mod:`stage_dse.cost.batching`):
-  a replica qualifies when its TPOT meets the TPOT target and its TTFT without queueing meets
-  the TTFT target; it then takes up to ``lambda* = rho* mu`` requests/s, where ``mu`` is its
-  saturated rate and ``rho*`` the load at which the M/D/1 wait uses up the TTFT margin
-  ``m`` (``rho / (2 (1 - rho)) / mu = m``, so ``rho* = 2 m mu / (1 + 2 m mu)``);
-  ``ceil(target / lambda*)`` replicas;
+* **aggregated** replicas (tensor parallelism ``tp`` times expert parallelism ``ep``, continuous
+  batching with at most ``R`` running requests per attention rank and a prefill budget of ``C``
+  tokens per step, :mod:`stage_dse.cost.batching`): a replica qualifies when its TPOT meets the
+  TPOT target and its TTFT without queueing meets the TTFT target; each of its ``ep`` attention
+  ranks (one for a dense model) then takes up to ``lambda* = rho* mu`` requests/s, where ``mu``
+  is the rank's saturated rate and ``rho*`` the load at which the M/D/1 wait uses up the TTFT
+  margin ``m`` (``rho / (2 (1 - rho)) / mu = m``, so ``rho* = 2 m mu / (1 + 2 m mu)``): the
+  ranks queue apart, as each attention data-parallel rank admits its own requests;
+  ``ceil(target / (ep lambda*))`` replicas;
 * **disaggregated** pools (:mod:`stage_dse.cost.disagg`): prefill replicas (on
-  ``prefill_hardware`` if given) sized the same way against the TTFT target (their TTFT includes
-  the KV transfer over the NIC, or NVLink), decode replicas (batch ``R``) to their saturated
-  rate when their TPOT meets the target;
+  ``prefill_hardware`` if given; ``tp x ep`` GPUs, one prompt per attention rank) sized the
+  same way against the TTFT target (their TTFT includes the KV transfer over the NIC, or
+  NVLink), decode replicas (batch ``R`` per attention rank) to their saturated rate when their
+  TPOT meets the target;
 * at the disaggregated answer's GPU count, :func:`aggregated_rate_at` gives what the best
   qualifying aggregated layout serves on as many GPUs: the comparison at equal GPUs.
+
+**Running limits.** The running requests per attention rank are capped by ``max_running``
+(default: the engine profile's ``max_running``, ``max_num_seqs``) and by the KV cache that fits
+(``cb_kv_capacity_seqs``: the memory left after the weights in ``weights_dtype`` and the widest
+step's working set, in sequences of ``kv_dtype`` cache): the candidates are the powers of two
+from 8 below ``min(max_running, KV capacity)`` and that limit itself (:func:`running_limits`),
+for each layout and prefill budget; disaggregated decode batches likewise. Every candidate row
+says which limit bound its rate (``bound``, the ``cb_bound`` of continuous batching):
+``tokens`` (every step full at the prefill budget), ``slots`` (the running limit), ``kv`` (the
+KV capacity: the running limit was cut to it, or not one sequence fits) or, for a decode pool,
+``slots``/``kv`` by the same rule.
+
+**Engines.** ``engine`` (an :class:`~stage_dse.spec.engine.EngineSpec`) adds its per-iteration
+and per-running-request costs: the ``step_overhead_s``/``request_overhead_s`` columns continuous
+batching reads (aggregated), added to each prefill pass and decode step of the static pools
+(disaggregated).
+
+**Request mix.** ``mix=[(prompt, output_tokens, weight), ...]`` replaces the fixed lengths:
+aggregated replicas run the classes through continuous batching (``ttft_s`` is the mean over
+requests); disaggregated pools are costed at the mix's mean prompt and output lengths (the
+prefill pass of the mean prompt, not the mean of the classes' passes: a simplification).
 
 The answer is the qualifying candidate with the fewest GPUs (then the most output tokens/s per
 GPU), aggregated and disaggregated; when nothing qualifies, the candidate that misses by the
@@ -30,6 +54,7 @@ request's time, :mod:`stage_dse.cost.disagg`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,13 +66,15 @@ from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.runner.serving import measured_step_share, serving_row, serving_timing
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
+from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.serving import ServingSpec
 
-__all__ = ["Recommendation", "aggregated_rate_at", "recommend", "sla_load"]
+__all__ = ["Recommendation", "aggregated_rate_at", "recommend", "running_limits", "sla_load"]
 
-RUNNING = (8, 16, 32, 64, 128, 256)
 BUDGETS = (512, 1024, 2048, 4096, 8192)
 DECODE_BATCHES = (8, 16, 32, 64, 128, 256, 512)
+SMALLEST_RUNNING = 8
+"""The smallest power-of-two running limit tried (below it only the limit itself)."""
 
 
 def sla_load(mu: np.ndarray, ttft0: np.ndarray, ttft_sla: float) -> np.ndarray:
@@ -55,6 +82,17 @@ def sla_load(mu: np.ndarray, ttft0: np.ndarray, ttft_sla: float) -> np.ndarray:
     its M/D/1 TTFT stays within ``ttft_sla`` (0 when ``ttft0`` alone misses it)."""
     margin = np.maximum(ttft_sla - ttft0, 0.0) * mu
     return mu * 2 * margin / (1 + 2 * margin)
+
+
+def running_limits(limit: float) -> tuple[int, ...]:
+    """Running-request limits tried under ``limit`` (the engine's cap or the KV capacity,
+    whichever is lower): powers of two from 8 below it, then ``limit`` itself (nothing when
+    not one request fits)."""
+    top = int(limit)
+    if top < 1:
+        return ()
+    powers = itertools.takewhile(lambda r: r < top, (SMALLEST_RUNNING << i for i in range(64)))
+    return (*powers, top)
 
 
 @dataclass(frozen=True)
@@ -67,18 +105,71 @@ class Recommendation:
     """The closest candidates that miss a target, least miss first (``miss``: worst ratio)."""
 
 
-def _rows(model, hardware, cluster, tps, batches, prompt, out_len):
-    rows, keys, meta = [], [], []
-    for tp, batch in itertools.product(tps, batches):
-        serving = ServingSpec(prompt_len=prompt, output_tokens=out_len, batch_size=batch)
-        try:
-            row, key = serving_row(model, serving, hardware, cluster, tp)
-        except ConfigError:
+def _layouts(model, base: ServingSpec, hardware, cluster, tps, eps, batches):
+    """Symbol rows of every buildable (tp, ep, batch): rows, keys, (tp, ep, batch) and the
+    reasons of the layouts that could not be built, by (tp, ep)."""
+    rows, keys, meta, rejected = [], [], [], {}
+    for tp, ep in itertools.product(tps, eps):
+        if tp > cluster.gpus_per_node:
+            rejected[tp, ep] = (
+                f"tp({tp}) exceeds the cluster's {cluster.gpus_per_node} GPUs per node"
+            )
             continue
-        rows.append(row)
-        keys.append(key)
-        meta.append((tp, batch))
-    return pd.DataFrame(rows), keys, meta
+        for batch in batches:
+            try:
+                row, key = serving_row(
+                    model, base.replace(batch_size=batch), hardware, cluster, tp, 1, ep
+                )
+            except ConfigError as exc:
+                rejected[tp, ep] = str(exc)
+                break
+            rows.append(row)
+            keys.append(key)
+            meta.append((tp, ep, batch))
+    return pd.DataFrame(rows), keys, meta, rejected
+
+
+def _none_buildable(model, tps, eps, rejected) -> ConfigError:
+    """One line naming the field whose values left no layout: ``serving.ep`` when no ep
+    builds even at tp 1, else ``serving.tp``."""
+    ep_reasons = {
+        ep: why for (tp, ep), why in rejected.items() if tp == 1 and not why.startswith("tp(")
+    }
+    bad_eps = [ep for ep in eps if ep in ep_reasons]
+    if bad_eps and len(bad_eps) == len(eps):
+        return ConfigError(
+            f"serving.ep={list(eps)}: no expert-parallel size can serve {model.name}: "
+            f"{ep_reasons[bad_eps[0]]}"
+        )
+    reason = next(iter(rejected.values()), "no candidates")
+    return ConfigError(
+        f"serving.tp={list(tps)}: no tensor-parallel degree can serve {model.name}: {reason}"
+    )
+
+
+def _lengths(prompt, output_tokens, mix):
+    """The workload's classes ``[(prompt, output, weight)]`` (weights normalised) and the mean
+    prompt and output lengths the static parts are costed at."""
+    if mix:
+        if prompt is not None or output_tokens is not None:
+            raise ConfigError("recommend: give prompt and output_tokens or a request mix, not both")
+        classes = [tuple(float(x) for x in item) for item in mix]
+        if any(len(c) != 3 for c in classes):
+            raise ConfigError("serving.request_mix: give [[prompt, output_tokens, weight], ...]")
+        for p, o, w in classes:
+            if not (p >= 1 and o >= 1 and w > 0):
+                raise ConfigError(
+                    f"serving.request_mix: prompt and output_tokens must be >= 1 and weights "
+                    f"> 0, got [{p:g}, {o:g}, {w:g}]"
+                )
+        total = sum(w for _, _, w in classes)
+        classes = [(p, o, w / total) for p, o, w in classes]
+        mean_p = sum(p * w for p, _, w in classes)
+        mean_o = sum(o * w for _, o, w in classes)
+        return classes, max(1, round(mean_p)), max(1, round(mean_o)), mean_o
+    if prompt is None or output_tokens is None:
+        raise ConfigError("recommend: give prompt and output_tokens (or a request mix)")
+    return None, prompt, output_tokens, float(output_tokens)
 
 
 def recommend(
@@ -86,20 +177,35 @@ def recommend(
     hardware: HardwareSpec,
     cluster: ClusterSpec,
     *,
-    prompt: int,
-    output_tokens: int,
     target_requests_per_s: float,
     ttft_sla_s: float,
     tpot_sla_s: float,
-    tps: tuple[int, ...] = (1, 2, 4, 8),
+    prompt: int | None = None,
+    output_tokens: int | None = None,
+    mix: Sequence[tuple[float, float, float]] | None = None,
+    tps: Sequence[int] = (1, 2, 4, 8),
+    eps: Sequence[int] = (1,),
+    weights_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    expert_weights_dtype: str | None = None,
+    max_running: int | None = None,
+    prefill_budgets: Sequence[int] = BUDGETS,
+    engine: EngineSpec | None = None,
     prefill_hardware: HardwareSpec | None = None,
     kv_link: str = "nic",
     timing: str = "roofline",
 ) -> Recommendation:
-    """See the module docstring. ``prefill_hardware``: the GPU of the disaggregated prefill
-    pool (default ``hardware``); ``kv_link``: ``nic`` (scale-out network) or ``nvlink`` (both
-    pools in one NVLink domain) for the KV transfer; ``timing``: ``roofline`` or
-    ``measured``."""
+    """See the module docstring. ``prompt``/``output_tokens`` or ``mix`` (request classes
+    ``(prompt, output_tokens, weight)``); ``tps``/``eps``: the tensor- and expert-parallel
+    sizes tried (ep > 1 for mixture-of-experts models: attention data-parallel over the ep
+    ranks, ``tp x ep`` GPUs per replica; layouts that cannot be built are skipped);
+    ``weights_dtype``, ``kv_dtype``, ``expert_weights_dtype``: as in
+    :class:`~stage_dse.spec.serving.ServingSpec`; ``max_running``: running requests per
+    attention rank at most (default: ``engine.max_running``; the KV capacity caps it too);
+    ``engine``: the engine profile (default: none, the kernels alone);
+    ``prefill_hardware``: the GPU of the disaggregated prefill pool (default ``hardware``);
+    ``kv_link``: ``nic`` (scale-out network) or ``nvlink`` (both pools in one NVLink domain)
+    for the KV transfer; ``timing``: ``roofline`` or ``measured``."""
     if kv_link not in ("nic", "nvlink"):
         raise ConfigError(f"serving.kv_link={kv_link!r} is not one of: nic, nvlink")
     for name, value in (
@@ -109,93 +215,63 @@ def recommend(
     ):
         if not value > 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
+    engine = engine or EngineSpec()
+    cap = engine.max_running if max_running is None else max_running
+    if isinstance(cap, bool) or not isinstance(cap, int | np.integer) or cap < 1:
+        raise ConfigError(f"max_running (serving.batch_size) must be an integer >= 1, got {cap!r}")
+    for name, values in (("tp", tps), ("ep", eps), ("prefill_budget", prefill_budgets)):
+        if not len(values) or any(
+            isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1 for v in values
+        ):
+            raise ConfigError(f"serving.{name}={list(values)} must be integers >= 1")
+    classes, prompt, output_tokens, mean_out = _lengths(prompt, output_tokens, mix)
+    if expert_weights_dtype is not None and not model.is_moe:
+        raise ConfigError(
+            f"serving.expert_weights_dtype={expert_weights_dtype} needs a mixture-of-experts "
+            f"model; {model.name} has no experts (use weights_dtype)"
+        )
+    base = ServingSpec(
+        prompt_len=prompt,
+        output_tokens=output_tokens,
+        weights_dtype=weights_dtype,
+        kv_dtype=kv_dtype,
+        expert_weights_dtype=expert_weights_dtype,
+    )
     target = float(target_requests_per_s)
     pre_hw = prefill_hardware or hardware
     measured = serving_timing(timing, (hardware, pre_hw))
-    tps = tuple(t for t in tps if t <= cluster.gpus_per_node)
-    # aggregated: every (tp, R, C) with continuous batching
-    table, keys, meta = _rows(model, hardware, cluster, tps, (1,), prompt, output_tokens)
+    tps, eps = tuple(int(t) for t in tps), tuple(int(e) for e in eps)
+    table, keys, meta, rejected = _layouts(model, base, hardware, cluster, tps, eps, (1,))
     if not len(table):
-        raise ConfigError(f"no tensor-parallel degree in {tps} fits {model.name}'s heads")
-    grid = list(itertools.product(range(len(table)), RUNNING, BUDGETS))
-    big = table.iloc[[i for i, _, _ in grid]].reset_index(drop=True)
-    big_keys = [keys[i] for i, _, _ in grid]
-    limits = (np.array([r for _, r, _ in grid]), np.array([c for _, _, c in grid]))
-    cb = continuous_batching(big, big_keys, *limits, timing=measured)
-    agg = pd.DataFrame(
-        {
-            "tp": [meta[i][0] for i, _, _ in grid],
-            "max_running": [r for _, r, _ in grid],
-            "prefill_budget": [c for _, _, c in grid],
-            "ttft_s": cb["cb_ttft_s"],
-            "tpot_s": cb["cb_tpot_s"],
-            "replica_requests_per_s": cb["cb_requests_per_s"],
-            "measured_share": measured_step_share(
-                big, big_keys, measured, cb["cb_step_s"], *limits
-            ),
-        }
-    )
-    agg["replica_gpus"] = agg["tp"]
-    agg["load_per_replica"] = sla_load(
-        agg["replica_requests_per_s"].to_numpy(), agg["ttft_s"].to_numpy(), ttft_sla_s
+        raise _none_buildable(model, tps, eps, rejected)
+    table["step_overhead_s"] = engine.step_overhead_s
+    table["request_overhead_s"] = engine.request_overhead_s
+    agg = _aggregated(table, keys, meta, cap, prefill_budgets, classes, measured)
+    agg["load_per_replica"] = agg["ep"] * sla_load(
+        agg["replica_requests_per_s"].to_numpy() / agg["ep"].to_numpy(),
+        agg["ttft_s"].to_numpy(),
+        ttft_sla_s,
     )
     agg["miss"] = np.maximum(agg["ttft_s"] / ttft_sla_s, agg["tpot_s"] / tpot_sla_s)
     ok = (agg["miss"] <= 1) & (agg["load_per_replica"] > 0)
     agg["replicas"] = np.where(ok, np.ceil(target / agg["load_per_replica"].where(ok, 1)), np.nan)
     agg["gpus"] = agg["replicas"] * agg["replica_gpus"]
-    agg["tokens_per_s_per_gpu"] = target * output_tokens / agg["gpus"]
+    agg["tokens_per_s_per_gpu"] = target * mean_out / agg["gpus"]
     agg["kind"] = "aggregated"
 
-    # disaggregated: prefill replicas (tp, batch 1) and decode replicas (tp, batch R)
-    pre_t, pre_k, pre_m = _rows(model, pre_hw, cluster, tps, (1,), prompt, output_tokens)
-    dec_t, dec_k, dec_m = _rows(
-        model, hardware, cluster, tps, DECODE_BATCHES, prompt, output_tokens
-    )
-    pre = evaluate_serving_table(pre_t, pre_k, timing=measured)
-    dec = evaluate_serving_table(dec_t, dec_k, timing=measured)
-    dec_fits = (dec["serve_mem_headroom_bytes"] >= 0).to_numpy()
-    pairs = [(i, j) for i in range(len(pre)) for j in range(len(dec)) if dec_fits[j]]
-    p_idx, d_idx = [i for i, _ in pairs], [j for _, j in pairs]
-    per = disaggregated(
-        pre.iloc[p_idx].reset_index(drop=True),
-        dec.iloc[d_idx].reset_index(drop=True),
-        prompt=prompt,
-        output_tokens=output_tokens,
-        prefill_batch=1,
-        decode_batch=np.array([dec_m[j][1] for j in d_idx], float),
-        prefill_gpus=np.array([pre_m[i][0] for i in p_idx], float),
-        decode_gpus=np.array([dec_m[j][0] for j in d_idx], float),
-        link_bytes_per_s=cluster.inter_bandwidth_bytes_per_s
-        if kv_link == "nic"
-        else cluster.intra_bandwidth_bytes_per_s,
-        link_latency_s=cluster.inter_latency_s if kv_link == "nic" else cluster.intra_latency_s,
-    )
-    dis = pd.DataFrame(
-        {
-            "prefill_tp": [pre_m[i][0] for i in p_idx],
-            "decode_tp": [dec_m[j][0] for j in d_idx],
-            "decode_batch": [dec_m[j][1] for j in d_idx],
-            "ttft_s": per["dis_ttft_s"],
-            "tpot_s": per["dis_tpot_s"],
-            "measured_share": per["dis_measured_share"],
-        }
-    )
-    load_p = sla_load(
-        per["dis_prefill_requests_per_s"].to_numpy(), per["dis_ttft_s"].to_numpy(), ttft_sla_s
-    )
-    dis["miss"] = np.maximum(dis["ttft_s"] / ttft_sla_s, dis["tpot_s"] / tpot_sla_s)
-    ok = ((dis["miss"] <= 1) & (load_p > 0)).to_numpy()
-    dis["prefill_replicas"] = np.where(ok, np.ceil(target / np.where(ok, load_p, 1)), np.nan)
-    dis["decode_replicas"] = np.where(
-        ok, np.ceil(target / per["dis_decode_requests_per_s"].to_numpy()), np.nan
-    )
-    dis["gpus"] = (
-        dis["prefill_replicas"] * dis["prefill_tp"] + dis["decode_replicas"] * dis["decode_tp"]
-    )
-    dis["tokens_per_s_per_gpu"] = target * output_tokens / dis["gpus"]
-    dis["kind"] = "disaggregated"
-    dis["prefill_hardware"] = pre_hw.name
-    agg["timing"] = dis["timing"] = measured.source
+    dis = _disaggregated(
+        model, base, hardware, pre_hw, cluster, tps, eps, cap, engine, measured, kv_link,
+        ttft_sla_s, tpot_sla_s, target, mean_out,
+    )  # fmt: skip
+    for frame in (agg, dis):
+        frame["timing"] = measured.source
+        frame["weights_dtype"] = base.weights_dtype.value
+        frame["kv_dtype"] = base.kv_dtype.value
+        frame["expert_weights_dtype"] = base.experts_dtype.value if model.is_moe else None
+        frame["engine"] = engine.name
+        frame["step_overhead_s"] = engine.step_overhead_s
+        frame["request_overhead_s"] = engine.request_overhead_s
+        frame["running_cap"] = cap
 
     order = ["gpus", "tokens_per_s_per_gpu"]
     good_agg = agg[agg["gpus"].notna()].sort_values(order, ascending=[True, False])
@@ -207,6 +283,151 @@ def recommend(
         good_dis.reset_index(drop=True),
         near.reset_index(drop=True),
     )
+
+
+def _aggregated(table, keys, meta, cap, budgets, classes, measured) -> pd.DataFrame:
+    """Every (layout, running limit, prefill budget) under continuous batching. A first pass at
+    the cap gives each (layout, budget) its KV capacity and is the candidate at
+    ``min(cap, capacity)``; the powers of two below that limit are evaluated after it."""
+    mix = classes or None
+
+    def run(grid):
+        big = table.iloc[[i for i, _, _ in grid]].reset_index(drop=True)
+        big_keys = [keys[i] for i, _, _ in grid]
+        limits = (
+            np.array([r for _, r, _ in grid], float),
+            np.array([c for _, _, c in grid], float),
+        )
+        cb = continuous_batching(big, big_keys, *limits, mix=mix, timing=measured)
+        share = measured_step_share(big, big_keys, measured, cb["cb_step_s"], *limits, mix=mix)
+        return cb.assign(measured_share=share)
+
+    first_grid = [(i, cap, c) for i in range(len(table)) for c in budgets]
+    first = run(first_grid)
+    capacity = first["cb_kv_capacity_seqs"].to_numpy()
+    limit = np.minimum(cap, capacity)
+    grid, parts = [], [first]
+    for (i, _, c), lim in zip(first_grid, limit):
+        grid += [(i, r, c) for r in running_limits(lim)[:-1]]
+    if grid:
+        parts.append(run(grid))
+    cb = pd.concat(parts, ignore_index=True)
+    full = first_grid + grid
+    # the first pass ran at the cap: its running limit is what the KV cache leaves of it
+    running_limit = np.concatenate([np.maximum(limit, 0), [r for _, r, _ in grid]])
+    tp = np.array([meta[i][0] for i, _, _ in full])
+    ep = np.array([meta[i][1] for i, _, _ in full])
+    return pd.DataFrame(
+        {
+            "tp": tp,
+            "ep": ep,
+            "max_running": running_limit.astype(int),
+            "prefill_budget": [c for _, _, c in full],
+            "ttft_s": cb["cb_ttft_s"],
+            "tpot_s": cb["cb_tpot_s"],
+            "replica_requests_per_s": cb["cb_requests_per_s"],
+            "running": cb["cb_running"],
+            "kv_capacity_seqs": cb["cb_kv_capacity_seqs"],
+            "bound": cb["cb_bound"],
+            "measured_share": cb["measured_share"],
+            "replica_gpus": tp * ep,
+        }
+    )
+
+
+def _with_engine(static: pd.DataFrame, engine: EngineSpec, batch, column: str) -> pd.DataFrame:
+    """A static pass's ``column`` (``serve_ttft_s`` or ``serve_tpot_s``) with the engine's
+    per-iteration and per-request costs of a batch of ``batch`` added (measured shares kept
+    as shares of the longer time)."""
+    extra = engine.step_overhead_s + engine.request_overhead_s * np.asarray(batch, float)
+    if not np.any(extra):
+        return static
+    out = static.copy()
+    kernels = static[column].to_numpy()
+    out[column] = kernels + extra
+    share = column.replace("_s", "_measured_share")
+    if share in out:
+        out[share] = static[share].to_numpy() * kernels / out[column].to_numpy()
+    return out
+
+
+def _disaggregated(
+    model, base, hardware, pre_hw, cluster, tps, eps, cap, engine, measured, kv_link,
+    ttft_sla_s, tpot_sla_s, target, mean_out,
+) -> pd.DataFrame:  # fmt: skip
+    """Prefill replicas (tp, ep, one prompt per attention rank) and decode replicas (tp, ep,
+    batch per rank up to the running cap and the KV capacity), every pair, sized to the
+    target."""
+    pre_t, pre_k, pre_m, _ = _layouts(model, base, pre_hw, cluster, tps, eps, (1,))
+    one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,))
+    one = evaluate_serving_table(one_t, one_k, timing=measured)
+    dec_t, dec_k, dec_m = [], [], []
+    for i, lim in enumerate(np.minimum(cap, one["serve_kv_capacity_seqs"].to_numpy())):
+        tp, ep, _ = one_m[i]
+        batches = [b for b in DECODE_BATCHES if b < lim] + ([int(lim)] if lim >= 1 else [])
+        t, k, m, _ = _layouts(model, base, hardware, cluster, (tp,), (ep,), batches)
+        dec_t.append(t)
+        dec_k += k
+        dec_m += [(*x, "kv" if x[2] == lim and lim < cap else "slots") for x in m]
+    dec_t = pd.concat(dec_t, ignore_index=True) if dec_t else pd.DataFrame()
+    pre = evaluate_serving_table(pre_t, pre_k, timing=measured)
+    dec = evaluate_serving_table(dec_t, dec_k, timing=measured)
+    pre = _with_engine(pre, engine, 1, "serve_ttft_s")
+    dec = _with_engine(dec, engine, [b for _, _, b, _ in dec_m], "serve_tpot_s")
+    dec_fits = (dec["serve_mem_headroom_bytes"] >= 0).to_numpy()
+    pairs = [(i, j) for i in range(len(pre)) for j in range(len(dec)) if dec_fits[j]]
+    p_idx, d_idx = [i for i, _ in pairs], [j for _, j in pairs]
+    p_ep = np.array([pre_m[i][1] for i in p_idx], float)
+    d_ep = np.array([dec_m[j][1] for j in d_idx], float)
+    p_gpus = np.array([pre_m[i][0] for i in p_idx], float) * p_ep
+    d_gpus = np.array([dec_m[j][0] for j in d_idx], float) * d_ep
+    per = disaggregated(
+        pre.iloc[p_idx].reset_index(drop=True),
+        dec.iloc[d_idx].reset_index(drop=True),
+        prompt=base.prompt_len,
+        output_tokens=base.output_tokens,
+        prefill_batch=p_ep,
+        decode_batch=np.array([dec_m[j][2] for j in d_idx], float) * d_ep,
+        prefill_gpus=p_gpus,
+        decode_gpus=d_gpus,
+        link_bytes_per_s=cluster.inter_bandwidth_bytes_per_s
+        if kv_link == "nic"
+        else cluster.intra_bandwidth_bytes_per_s,
+        link_latency_s=cluster.inter_latency_s if kv_link == "nic" else cluster.intra_latency_s,
+    )
+    dis = pd.DataFrame(
+        {
+            "prefill_tp": [pre_m[i][0] for i in p_idx],
+            "prefill_ep": [pre_m[i][1] for i in p_idx],
+            "decode_tp": [dec_m[j][0] for j in d_idx],
+            "decode_ep": [dec_m[j][1] for j in d_idx],
+            "decode_batch": [dec_m[j][2] for j in d_idx],
+            "kv_capacity_seqs": dec["serve_kv_capacity_seqs"].to_numpy()[d_idx],
+            "bound": [dec_m[j][3] for j in d_idx],
+            "ttft_s": per["dis_ttft_s"],
+            "tpot_s": per["dis_tpot_s"],
+            "measured_share": per["dis_measured_share"],
+        }
+    )
+    # each prefill attention rank queues its own prompts
+    load_p = p_ep * sla_load(
+        per["dis_prefill_requests_per_s"].to_numpy() / np.maximum(p_ep, 1),
+        per["dis_ttft_s"].to_numpy(),
+        ttft_sla_s,
+    )
+    dis["miss"] = np.maximum(dis["ttft_s"] / ttft_sla_s, dis["tpot_s"] / tpot_sla_s)
+    ok = ((dis["miss"] <= 1) & (load_p > 0)).to_numpy()
+    dis["prefill_replicas"] = np.where(ok, np.ceil(target / np.where(ok, load_p, 1)), np.nan)
+    dis["decode_replicas"] = np.where(
+        ok, np.ceil(target / per["dis_decode_requests_per_s"].to_numpy()), np.nan
+    )
+    dis["prefill_gpus_per_replica"] = p_gpus
+    dis["decode_gpus_per_replica"] = d_gpus
+    dis["gpus"] = dis["prefill_replicas"] * p_gpus + dis["decode_replicas"] * d_gpus
+    dis["tokens_per_s_per_gpu"] = target * mean_out / dis["gpus"]
+    dis["kind"] = "disaggregated"
+    dis["prefill_hardware"] = pre_hw.name
+    return dis
 
 
 def aggregated_rate_at(aggregated: pd.DataFrame, gpus: float) -> tuple[float, pd.Series | None]:
