@@ -389,3 +389,41 @@ def test_tensor_parallelism_beyond_the_kv_heads_replicates_them_one_per_rank():
     glm = load_model("glm_4_5_air")  # 96 query heads, 8 KV heads
     with pytest.raises(ConfigError, match=r"tp\(12\) is neither a divisor nor a multiple"):
         validate_serving(glm, serving, serving_plan(glm, 12, 1, 4))
+
+
+def test_a_serving_sweep_spreads_output_lengths_of_a_burst_and_keeps_both_rows(tmp_path):
+    base = dict(
+        model=load_model("llama3_8b"),
+        hardware=(H100,),
+        cluster=load_cluster("dgx_h100"),
+        tp=(1,),
+        batch_sizes=(256,),
+        prompt_lens=(214,),
+        output_tokens=200,
+        mode="continuous",
+        prefill_budgets=(2048,),
+        burst=1000,
+    )
+    store = ResultStore(tmp_path / "burst")
+    for spread in ("fixed", "exponential"):
+        spec = ServingSweepSpec(name="burst", output_lengths=spread, max_total_tokens=2048, **base)
+        run_serving(spec, store, log=lambda s: None)
+    df = load(tmp_path / "burst").set_index("output_lengths")
+    assert len(df) == 2 and df["config_hash"].is_unique
+    # the same mean tokens, but the longest replies drain the burst on a shrinking batch
+    fixed, spread = df.loc["fixed"], df.loc["exponential"]
+    assert spread["total_tokens_per_s_per_gpu"] < 0.9 * fixed["total_tokens_per_s_per_gpu"]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("serving.output_lengths=zipf", "serving.output_lengths"),
+        ("serving.max_total_tokens=-5", "serving.max_total_tokens"),
+    ],
+)
+def test_bad_output_length_options_name_the_field(override, field, tmp_path):
+    from bad_inputs import run_case
+
+    args = ["workload=serving", "serving.mode=continuous", override]
+    assert run_case("stage-dse", args, field, str(tmp_path)) is None

@@ -250,6 +250,12 @@ class ServingConf:
     """Continuous batching: a closed loop of N users per replica (0: open loop or saturated)."""
     burst: int = 0
     """Continuous batching: N requests sent at once to each replica (0: none)."""
+    output_lengths: str = "fixed"
+    """Continuous batching: fixed, or exponential (output lengths spread with the mean
+    output_tokens, as replies sampled from a chat dataset are)."""
+    max_total_tokens: int = 0
+    """Continuous batching, exponential output lengths: prompt plus output at most this (0: no
+    cap; vLLM's ShareGPT sampler keeps pairs within 2048)."""
 
 
 @dataclass
@@ -515,6 +521,14 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         )
     if loads and mode != "continuous":
         raise ConfigError(f"serving.{loads[0]} needs serving.mode=continuous")
+    spread = str(sv.get("output_lengths", "fixed"))
+    if spread not in ("fixed", "exponential"):
+        raise ConfigError(f"serving.output_lengths must be fixed or exponential, got {spread!r}")
+    if spread != "fixed" and mode != "continuous":
+        raise ConfigError("serving.output_lengths=exponential needs serving.mode=continuous")
+    cap = sv.get("max_total_tokens", 0)
+    if not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0):
+        raise ConfigError(f"serving.max_total_tokens must be an integer >= 0, got {cap!r}")
     engine = load_engine(str(sv.get("engine", "none")))
     # serving rows never share a folder with training rows: the default name gets a suffix
     name = c["sweep_name"] if c["sweep_name"] != "default" else "default_serving"
@@ -540,4 +554,6 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         engine=engine,
         clients=int(sv.get("clients", 0)),
         burst=int(sv.get("burst", 0)),
+        output_lengths=spread,
+        max_total_tokens=int(cap),
     )

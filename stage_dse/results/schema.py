@@ -84,6 +84,8 @@ _fields = [
     pa.field("engine", LABEL),
     pa.field("clients", pa.float64()),
     pa.field("burst", pa.float64()),
+    pa.field("output_lengths", LABEL),
+    pa.field("max_total_tokens", pa.float64()),
     pa.field("weight_only", pa.bool_()),
     # serving: some weights only stored in their format, the GEMMs 16-bit (W4A16 on GPUs
     # without FP4 tensor cores; stage_dse.spec.serving.weight_only)
@@ -198,6 +200,16 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                 for i, v in enumerate(loads):
                     v = _hash_input(pd.Series(np.broadcast_to(v, engine.shape)), False)
                     extra = _mix(extra ^ (v + np.uint64(i + 7) * _GOLDEN))
+                h = np.where(changed, extra, h)
+        # a spread of output lengths (absent or fixed: the hashes rows always had)
+        if "output_lengths" in source:
+            spread = pd.Series(source["output_lengths"]).fillna("").astype(str).to_numpy()
+            changed = (spread != "") & (spread != "fixed")
+            if np.any(changed):
+                cap = np.nan_to_num(np.asarray(source.get("max_total_tokens", 0.0), dtype=float))
+                cap = _hash_input(pd.Series(np.broadcast_to(cap, spread.shape)), False)
+                extra = _mix(h ^ _hash_input(pd.Series(spread), True))
+                extra = _mix(extra ^ (cap + np.uint64(11) * _GOLDEN))
                 h = np.where(changed, extra, h)
         # measured timing makes other results of the same configuration; roofline rows keep
         # the hashes they always had

@@ -149,6 +149,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "request_overhead_s": spec.engine.request_overhead_s,
                 "clients": float(spec.clients) if continuous else np.nan,
                 "burst": float(spec.burst) if continuous else np.nan,
+                "output_lengths": spec.output_lengths if continuous else "",
+                "max_total_tokens": float(spec.max_total_tokens) if continuous else np.nan,
             }
         )
         rows.append(row)
@@ -193,6 +195,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "engine",
                 "clients",
                 "burst",
+                "output_lengths",
+                "max_total_tokens",
                 "weight_only",
             ):
                 out[col] = table[col].to_numpy()
@@ -255,6 +259,10 @@ def _continuous(
         table["acceptance"].to_numpy(float),
     )
     loads = {"clients": table["clients"].to_numpy(float), "burst": table["burst"].to_numpy(float)}
+    if "output_lengths" in table:
+        cap = table["max_total_tokens"].to_numpy(float)
+        loads["output_lengths"] = table["output_lengths"].to_numpy(object)
+        loads["max_total_tokens"] = np.where(cap > 0, cap, np.inf)
     cb = continuous_batching(table, keys, *args, mix=mix, timing=timing, **loads)
     out = static.copy()
     out["measured_share"] = measured_step_share(

@@ -223,3 +223,10 @@ class ServingSweepSpec:
     """Continuous batching: a closed loop of this many users per replica (0: none)."""
     burst: int = 0
     """Continuous batching: this many requests sent at once to each replica (0: none)."""
+    output_lengths: str = "fixed"
+    """Continuous batching: ``fixed`` (every request decodes ``output_tokens``) or
+    ``exponential`` (spread with that mean, see
+    :func:`stage_dse.cost.batching.output_length_classes`)."""
+    max_total_tokens: int = 0
+    """Continuous batching: exponential output lengths keep prompt plus output within this
+    (0: no cap; 2,048 is vLLM's ShareGPT sampler's)."""
