@@ -42,7 +42,8 @@ requests); disaggregated pools are costed at the mix's mean prompt and output le
 prefill pass of the mean prompt, not the mean of the classes' passes: a simplification).
 
 The answer is the qualifying candidate with the fewest GPUs (then the most output tokens/s per
-GPU), aggregated and disaggregated; when nothing qualifies, the candidate that misses by the
+GPU, the most slack under the targets, the smallest running limit or decode batch),
+aggregated and disaggregated; when nothing qualifies, the candidate that misses by the
 least (the largest ratio of a latency to its target) and by how much.
 
 ``timing="measured"`` costs every candidate with measured kernel times (both pools' GPUs on
@@ -69,12 +70,26 @@ from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.serving import ServingSpec
 
-__all__ = ["Recommendation", "aggregated_rate_at", "recommend", "running_limits", "sla_load"]
+__all__ = [
+    "BOUND_WORDS",
+    "Recommendation",
+    "aggregated_rate_at",
+    "recommend",
+    "running_limits",
+    "sla_load",
+]
 
 BUDGETS = (512, 1024, 2048, 4096, 8192)
 DECODE_BATCHES = (8, 16, 32, 64, 128, 256, 512)
 SMALLEST_RUNNING = 8
 """The smallest power-of-two running limit tried (below it only the limit itself)."""
+BOUND_WORDS = {
+    "tokens": "the prefill budget",
+    "slots": "the running limit",
+    "kv": "the KV capacity",
+    "load": "the load",
+}
+"""What each ``bound`` value means, in words for printouts."""
 
 
 def sla_load(mu: np.ndarray, ttft0: np.ndarray, ttft_sla: float) -> np.ndarray:
@@ -130,11 +145,9 @@ def _layouts(model, base: ServingSpec, hardware, cluster, tps, eps, batches):
 
 
 def _none_buildable(model, tps, eps, rejected) -> ConfigError:
-    """One line naming the field whose values left no layout: ``serving.ep`` when no ep
-    builds even at tp 1, else ``serving.tp``."""
-    ep_reasons = {
-        ep: why for (tp, ep), why in rejected.items() if tp == 1 and not why.startswith("tp(")
-    }
+    """One line naming the field whose values left no layout: ``serving.ep`` when every ep
+    is refused for itself (a dense model, not dividing the experts), else ``serving.tp``."""
+    ep_reasons = {ep: why for (_, ep), why in rejected.items() if why.startswith("ep(")}
     bad_eps = [ep for ep in eps if ep in ep_reasons]
     if bad_eps and len(bad_eps) == len(eps):
         return ConfigError(
@@ -273,9 +286,14 @@ def recommend(
         frame["request_overhead_s"] = engine.request_overhead_s
         frame["running_cap"] = cap
 
-    order = ["gpus", "tokens_per_s_per_gpu"]
-    good_agg = agg[agg["gpus"].notna()].sort_values(order, ascending=[True, False])
-    good_dis = dis[dis["gpus"].notna()].sort_values(order, ascending=[True, False])
+    # fewest GPUs, then the most slack under the targets, then the smallest running limit
+    order, up = ["gpus", "tokens_per_s_per_gpu", "miss"], [True, False, True]
+    good_agg = agg[agg["gpus"].notna()].sort_values(
+        [*order, "max_running"], ascending=[*up, True], kind="stable"
+    )
+    good_dis = dis[dis["gpus"].notna()].sort_values(
+        [*order, "decode_batch"], ascending=[*up, True], kind="stable"
+    )
     misses = pd.concat([agg[agg["gpus"].isna()], dis[dis["gpus"].isna()]])
     near = misses[np.isfinite(misses["miss"])].sort_values("miss").head(5)
     return Recommendation(
