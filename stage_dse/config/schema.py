@@ -506,7 +506,7 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
                 f"serving.request_mix: give [[prompt, output_tokens, weight], ...] with lengths "
                 f">= 1 and weights > 0, got {list(item)}"
             )
-    if mix and mode != "continuous":
+    if mix and mode != "continuous" and c.get("mode") != "recommend":
         raise ConfigError("serving.request_mix needs serving.mode=continuous")
     if not float(sv["arrival_rate"]) >= 0:
         raise ConfigError(f"serving.arrival_rate must be >= 0, got {sv['arrival_rate']}")
