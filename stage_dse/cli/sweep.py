@@ -385,8 +385,10 @@ def _run_recommend(cfg: DictConfig) -> int:
     # the dtypes are checked before anything is printed
     ServingSpec(prompt_len=prompt, weights_dtype=spec.weights_dtype, kv_dtype=spec.kv_dtype)
     mix = [tuple(float(x) for x in item) for item in spec.request_mix] or None
+    total = sum(w for _, _, w in mix or ())
+    mix_label = ",".join(f"{p:g}x{o:g}:{w / total:g}" for p, o, w in mix or ())  # as rows
     lengths = (
-        f"the mix {', '.join(f'{p:g}x{o:g}:{w:g}' for p, o, w in mix)} (prompt x output:weight)"
+        f"the mix {mix_label} (prompt x output:weight)"
         if mix
         else f"{prompt} prompt + {spec.output_tokens} output tokens"
     )
@@ -497,7 +499,7 @@ def _run_recommend(cfg: DictConfig) -> int:
     pd.concat(candidates, ignore_index=True).assign(
         target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms,
         prompt=np.nan if mix else prompt, output_tokens=np.nan if mix else spec.output_tokens,
-        request_mix=lengths if mix else None,
+        request_mix=mix_label or None,
     ).to_parquet(path)  # fmt: skip
     print(f"\nrecommendation candidates: {path}")
     return 0

@@ -25,11 +25,12 @@ deployment is costed with the serving model and sized to the target rate:
 (``cb_kv_capacity_seqs``: the memory left after the weights in ``weights_dtype`` and the widest
 step's working set, in sequences of ``kv_dtype`` cache): the candidates are the powers of two
 from 8 below ``min(max_running, KV capacity)`` and that limit itself (:func:`running_limits`),
-for each layout and prefill budget; disaggregated decode batches likewise. Every candidate row
-says which limit bound its rate (``bound``, the ``cb_bound`` of continuous batching):
-``tokens`` (every step full at the prefill budget), ``slots`` (the running limit), ``kv`` (the
-KV capacity: the running limit was cut to it, or not one sequence fits) or, for a decode pool,
-``slots``/``kv`` by the same rule.
+for each layout and prefill budget; disaggregated decode batches likewise (the powers of two
+from 8 and the largest batch whose cache fits beside its static pass's working set). Every
+candidate row says which limit bound its rate (``bound``, the ``cb_bound`` of continuous
+batching): ``tokens`` (every step full at the prefill budget), ``slots`` (the running limit),
+``kv`` (the KV capacity: the running limit was cut to it, or not one sequence fits) or, for a
+decode pool, ``slots``/``kv`` by the same rule.
 
 **Engines.** ``engine`` (an :class:`~stage_dse.spec.engine.EngineSpec`) adds its per-iteration
 and per-running-request costs: the ``step_overhead_s``/``request_overhead_s`` columns continuous
@@ -379,8 +380,25 @@ def _disaggregated(
     pre_t, pre_k, pre_m, _ = _layouts(model, base, pre_hw, cluster, tps, eps, (1,))
     one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,))
     one = evaluate_serving_table(one_t, one_k, timing=measured)
+
+    # the largest batch whose cache fits beside its own working set (a static pass's, which
+    # grows with the batch: the capacity falls as the batch grows), by bisection
+    def fits(batch):
+        at = one_t.assign(micro_batch=np.maximum(batch, 1.0))
+        got = evaluate_serving_table(at, one_k, timing=measured)["serve_kv_capacity_seqs"]
+        return (batch >= 1) & (batch <= got.to_numpy())
+
+    hi = np.minimum(cap, one["serve_kv_capacity_seqs"].to_numpy()).astype(float)
+    lo = np.zeros_like(hi)
+    top = fits(hi)
+    lo[top] = hi[top]
+    while np.any(hi - lo > 1):
+        mid = np.floor((lo + hi) / 2)
+        ok = fits(mid)
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+    limits = lo
     dec_t, dec_k, dec_m = [], [], []
-    for i, lim in enumerate(np.minimum(cap, one["serve_kv_capacity_seqs"].to_numpy())):
+    for i, lim in enumerate(limits):
         tp, ep, _ = one_m[i]
         batches = [b for b in DECODE_BATCHES if b < lim] + ([int(lim)] if lim >= 1 else [])
         t, k, m, _ = _layouts(model, base, hardware, cluster, (tp,), (ep,), batches)
