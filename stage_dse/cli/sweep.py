@@ -470,7 +470,8 @@ def _run_recommend(cfg: DictConfig) -> int:
             if layout is not None:
                 print(
                     f"  at {d.gpus:.0f} GPUs aggregated serves {rate:.1f} requests/s "
-                    f"(tp {layout.tp}, max_running {layout.max_running}) against "
+                    f"(tp {layout.tp}{f' ep {layout.ep}' if layout.ep > 1 else ''}, "
+                    f"max_running {layout.max_running}) against "
                     f"{target:g} disaggregated"
                 )
         else:

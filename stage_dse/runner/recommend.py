@@ -296,7 +296,8 @@ def recommend(
         [*order, "decode_batch"], ascending=[*up, True], kind="stable"
     )
     misses = pd.concat([agg[agg["gpus"].isna()], dis[dis["gpus"].isna()]])
-    near = misses[np.isfinite(misses["miss"])].sort_values("miss").head(5)
+    near = misses[np.isfinite(misses["miss"])]
+    near = near.sort_values(["miss", "max_running", "decode_batch"], kind="stable").head(5)
     return Recommendation(
         good_agg.reset_index(drop=True),
         good_dis.reset_index(drop=True),
