@@ -253,10 +253,10 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
-        elif name in ("serving_mode", "request_mix", "engine", "weight_only"):
+        elif name in ("serving_mode", "request_mix", "engine", "weight_only", "output_lengths"):
             arrays.append(pa.nulls(n, field.type))
         elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance", "clients",
-                      "burst"):  # fmt: skip
+                      "burst", "max_total_tokens"):  # fmt: skip
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "timing":
             arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))
