@@ -99,6 +99,7 @@ from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
+from stage_dse.graph.transformer import DIMS
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
 __all__ = [
@@ -166,11 +167,40 @@ def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     return _other_time(op, saved_bytes)
 
 
+def touched_experts(op: Op) -> sp.Expr | None:
+    """The share of a grouped expert GEMM's local experts that receive any token (None for
+    other einsums). With ``lambda`` tokens per expert on average (the op's local token slots
+    over the capacity factor) and routing spread evenly, an expert receives none with
+    probability ``(1 - top_k / E)^T``, about ``exp(-lambda)``; a grouped GEMM runs tiles only
+    for the experts that have tokens and reads only their weights. Near 1 at training and
+    prefill sizes; at small decode batches it is what keeps a 128-expert layer from being
+    charged 128 tiles and every expert's weights for a handful of tokens (uneven routing
+    touches fewer experts still: this is the upper bound)."""
+    if DIMS.capacity not in set(op.axes_iter):
+        return None
+    local = {
+        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
+        for ax, ms in zip(op.axes_iter, op.layout_iter)
+    }
+    tokens = local[DIMS.capacity] / S.capacity_factor
+    return 1 - sp.exp(-tokens)
+
+
 def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
-    """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds."""
+    """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds. A
+    grouped expert GEMM runs only its touched experts (:func:`touched_experts`): their
+    weights are read, their tiles hold the tokens of the touched experts."""
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     d = _gemm_min_dim(op)
+    touched = touched_experts(op)
+    if touched is not None:
+        weights = _sum(t.local_bytes for t in op.inputs if t.role is Role.WEIGHT)
+        stream = (op.bytes - saved_bytes - (1 - touched) * weights) / bandwidth
+        m, n, k = gemm_mnk(op)
+        # the token dimension (m forward and input-gradient, k weight-gradient) over the
+        # touched experts only
+        d = _min(m / touched, n, k) if op.phase is Phase.FORWARD else d
     shape = d / (d + S.gemm_half_dim)
     eff = S.gemm_efficiency * shape
     peak = S.peak_flops
