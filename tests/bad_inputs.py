@@ -1,4 +1,4 @@
-"""Bad inputs through the console scripts: each must exit non-zero with one line naming the field.
+"""Bad inputs through the console scripts: each must exit 2 with one line naming the field.
 
 Run: ``python tests/bad_inputs.py`` (prints one line per case and a summary; exit 1 if any case
 fails). ``tests/test_bad_inputs.py`` runs it under pytest. Every case runs in a fresh process,
@@ -14,8 +14,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# (console script, arguments, text the one line must contain)
-CASES: list[tuple[str, list[str], str]] = [
+# (console script, arguments, text the one line must contain[, files to write first: path
+# under the case's folder -> text])
+CASES: list[tuple] = [
     ("stage-dse", ["model=nope"], "model"),
     ("stage-dse", ["hardware=nope"], "hardware"),
     ("stage-dse", ["cluster=nope"], "cluster"),
@@ -82,6 +83,33 @@ CASES: list[tuple[str, list[str], str]] = [
     ("stage-dse", ["cluster.inter_gbit_s=inf"], "cluster.inter_gbit_s"),
     ("stage-dse", ["cluster.intra_gb_s=inf"], "cluster.intra_gb_s"),
     ("stage-dse", ["workload=serving", "hardware.peak_bf16_tflops=inf"], "peak_bf16_tflops"),
+    ("stage-dse", ["sweep_name=../outside"], "sweep_name"),
+    ("stage-dse", ["results_dir="], "results_dir"),
+    ("stage-dse", ["results_dir=/etc/passwd/results"], "results_dir"),
+    ("stage-dse", ["num_gpus=64,128"], "num_gpus=[64,128]"),
+    ("stage-dse", ["-m", "num_gpus=16,0"], "num_gpus"),
+    ("stage-dse", ["num_gpus=16", "-m", "model=llama3_8b,nope"], "model"),
+    ("stage-dse", ["--config-dir", "{tmp}/nope"], "--config-dir"),
+    ("stage-dse", ["-cd"], "-cd"),
+    ("stage-dse", ["--config-name", "nope"], "--config-name"),
+    (
+        "stage-dse",
+        ["--config-dir", "{tmp}/conf", "model=broken"],
+        "broken.yaml:3:",
+        {"conf/model/broken.yaml": "name: broken\nhidden_size: [1\n"},
+    ),
+    (
+        "stage-dse",
+        ["--config-dir", "{tmp}/conf", "model=half"],
+        "model.hidden_size",
+        {"conf/model/half.yaml": "name: half\nnum_layers: 2\n"},
+    ),
+    (
+        "stage-dse",
+        ["-m", "--config-dir", "{tmp}/conf", "model=half,llama3_8b"],
+        "model.hidden_size",
+        {"conf/model/half.yaml": "name: half\nnum_layers: 2\n"},
+    ),
     ("stage-dse-trace", ["check", "{tmp}/missing"], "missing"),
     ("stage-dse-trace", ["replay", "{tmp}/missing"], "missing"),
     ("stage-dse-trace", ["json", "{tmp}/missing.et"], "missing.et"),
@@ -112,11 +140,17 @@ CASES: list[tuple[str, list[str], str]] = [
 ]
 
 
-def run_case(script: str, args: list[str], needle: str, tmp: str) -> str | None:
+def run_case(
+    script: str, args: list[str], needle: str, tmp: str, files: dict | None = None
+) -> str | None:
     """None when the case behaves, else what went wrong."""
+    for rel, text in (files or {}).items():
+        (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / rel).write_text(text)
     argv = [script, *(a.format(tmp=tmp) for a in args)]
     if script == "stage-dse":
-        argv += [f"results_dir={tmp}/results"]
+        if not any(a.startswith("results_dir=") for a in args):
+            argv += [f"results_dir={tmp}/results"]
         if not any(a.startswith("runner") for a in args):
             argv += ["runner=local", "runner.progress=false"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -124,8 +158,8 @@ def run_case(script: str, args: list[str], needle: str, tmp: str) -> str | None:
     env.update(PYTHONWARNINGS="ignore", HYDRA_FULL_ERROR="0", RAY_TMPDIR=tmp)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
     lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-    if proc.returncode == 0:
-        return "exit 0"
+    if proc.returncode != 2:
+        return f"exit {proc.returncode}"
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     if len(err) != 1:
         return f"{len(err)} lines on stderr: {' | '.join(err[:4])[:300]}"
@@ -139,12 +173,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         jobs = []
         with ThreadPoolExecutor(max_workers=2) as pool:
-            for i, (script, args, needle) in enumerate(CASES):
+            for i, (script, args, needle, *files) in enumerate(CASES):
                 case_tmp = Path(tmp) / str(i)
                 case_tmp.mkdir()
-                jobs.append(pool.submit(run_case, script, args, needle, str(case_tmp)))
+                job = pool.submit(run_case, script, args, needle, str(case_tmp), *files)
+                jobs.append(job)
         failures = 0
-        for (script, args, _), job in zip(CASES, jobs):
+        for (script, args, *_), job in zip(CASES, jobs):
             problem = job.result()
             failures += problem is not None
             print(f"{'FAIL' if problem else 'ok  '} {script} {' '.join(args)}: {problem or ''}")

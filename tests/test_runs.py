@@ -300,3 +300,61 @@ def test_auto_runner_picks_ray_for_large_runs_and_for_a_cluster_address():
     joined = AutoExecutor(address="ray://head:10001")
     assert "runner.address=ray://head:10001 given" in joined.choose(10)
     assert isinstance(joined.inner, RayExecutor)
+
+
+def _stage_dse(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["stage-dse", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+SMALL = ["runner=local", "runner.progress=false", "plan.micro_batch_size=[1]"]
+
+
+def test_a_refused_or_failed_run_writes_nothing(tmp_path):
+    """``sweep_name=../outside`` is refused before Hydra makes its run folder; a run that fails
+    once started (nothing listens at runner.address) leaves no ``_runs`` record."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    res = tmp_path / "res"
+    refused = _stage_dse(["sweep_name=../outside", f"results_dir={res}/r", *SMALL], work)
+    assert refused.returncode == 2 and "sweep_name='../outside'" in refused.stderr
+    assert not res.exists() and not (tmp_path / "outside").exists()
+    failed = _stage_dse(
+        ["runner.address=127.0.0.1:1", f"results_dir={res}", "num_gpus=[8]", *SMALL[1:]], work
+    )
+    assert failed.returncode == 2 and "runner.address=127.0.0.1:1" in failed.stderr
+    assert not (res / "default" / "_runs").exists()
+    assert not list(res.rglob("part-*.parquet")) and not list(work.iterdir())
+
+
+def test_scalar_multirun_form_flags_after_overrides_and_a_non_ascii_path(tmp_path):
+    """``-m num_gpus=8,16`` (each job one GPU count), written after the other overrides, into
+    a results folder whose name Hydra's grammar would refuse unquoted."""
+    folder = tmp_path / "résultats"
+    res = _stage_dse([f"results_dir={folder}", *SMALL, "-m", "num_gpus=8,16"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    df = load(folder / "default")
+    assert set(df["num_gpus"]) == {8, 16} and df["config_hash"].is_unique
+
+
+def test_config_dir_presets_run_and_are_checked_in_one_line(tmp_path):
+    from stage_dse.config import conf_dir
+
+    user = tmp_path / "my_conf" / "model"
+    user.mkdir(parents=True)
+    text = (Path(conf_dir()) / "model" / "llama3_8b.yaml").read_text()
+    (user / "mine.yaml").write_text(text.replace("name: llama3_8b", "name: mine"))
+    (user / "broken.yaml").write_text("name: broken\nhidden_size: [1\n")
+    base = ["--config-dir", str(tmp_path / "my_conf"), "num_gpus=[8]", *SMALL]
+    ok = _stage_dse([*base, "model=mine", f"results_dir={tmp_path}/r"], tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert set(load(tmp_path / "r" / "default")["model"]) == {"mine"}
+    for override, start in (
+        ("model=broken", f"stage-dse: error: {user / 'broken.yaml'}:3:"),
+        ("plan.tp=[3]", "stage-dse: error: plan.tp=3: tp(3) does not divide"),
+    ):
+        bad = _stage_dse([*base, "model=mine", override, f"results_dir={tmp_path}/b"], tmp_path)
+        err = [line for line in bad.stderr.splitlines() if line.strip()]
+        assert bad.returncode == 2 and len(err) == 1 and err[0].startswith(start), bad.stderr
+    assert not (tmp_path / "b").exists()

@@ -16,7 +16,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from stage_dse.cli._common import check_jobs, fail, precheck
+from stage_dse.cli._common import check_jobs, fail, split_args
 from stage_dse.config.presets import conf_dir
 from stage_dse.config.schema import check_top_level, register_schemas, to_optuna, to_sweep
 from stage_dse.errors import ConfigError, StageDseError
@@ -109,7 +109,9 @@ AXES = (
 
 
 def check_run_options(cfg: DictConfig) -> None:
-    """The options of the run itself (how many rows to show, where and how to evaluate)."""
+    """The options of the run itself (where results go, how many rows to show, where and how
+    to evaluate), checked before anything is written."""
+    check_results_folder(cfg.results_dir, cfg.sweep_name)
     top_k = cfg.top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k must be an integer >= 1 (rows of the top table), got {top_k!r}")
@@ -121,6 +123,34 @@ def check_run_options(cfg: DictConfig) -> None:
         raise ConfigError(
             f"runner.connect_timeout_s must be a number of seconds > 0, got "
             f"{cfg.runner.connect_timeout_s}"
+        )
+
+
+def check_results_folder(results_dir: object, sweep_name: object) -> None:
+    """``results_dir/sweep_name`` must be a folder this process can create or write: a plain
+    sweep name, a results_dir that is not empty (that would write into the working directory)
+    and, at the nearest folder that exists, a writable directory."""
+    import os
+
+    name = sweep_name
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise ConfigError(
+            f"sweep_name={name!r} must be a plain folder name (no '/', no leading '.')"
+        )
+    if not isinstance(results_dir, str) or not results_dir.strip():
+        raise ConfigError(
+            f"results_dir={results_dir!r} must name a folder (empty would write into the working "
+            "directory); e.g. results_dir=results"
+        )
+    nearest = Path(results_dir) / name
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ConfigError(f"results_dir={results_dir}: {nearest} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"results_dir={results_dir} is not writable ({nearest}: permission denied or a "
+            "read-only file system); choose another results_dir or fix its permissions"
         )
 
 
@@ -366,9 +396,8 @@ def _run_recommend(cfg: DictConfig) -> int:
     import pandas as pd
 
     from stage_dse.config import load_hardware
-    from stage_dse.config.schema import ServingConf, to_serving_sweep
-    from stage_dse.runner.recommend import BOUND_WORDS, aggregated_rate_at, recommend
-    from stage_dse.spec.serving import ServingSpec
+    from stage_dse.config.schema import to_serving_sweep
+    from stage_dse.runner.recommend import aggregated_rate_at, recommend
     from stage_dse.spec.sweep import divisors
 
     spec = to_serving_sweep(cfg)
@@ -382,53 +411,25 @@ def _run_recommend(cfg: DictConfig) -> int:
     sv = cfg.serving
     prefill_hw = load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None
     timing = _serving_timing(cfg, (*spec.hardware, *([prefill_hw] if prefill_hw else [])))
-    # the dtypes are checked before anything is printed
-    ServingSpec(prompt_len=prompt, weights_dtype=spec.weights_dtype, kv_dtype=spec.kv_dtype)
-    mix = [tuple(float(x) for x in item) for item in spec.request_mix] or None
-    total = sum(w for _, _, w in mix or ())
-    mix_label = ",".join(f"{p:g}x{o:g}:{w / total:g}" for p, o, w in mix or ())  # as rows
-    lengths = (
-        f"the mix {mix_label} (prompt x output:weight)"
-        if mix
-        else f"{prompt} prompt + {spec.output_tokens} output tokens"
-    )
     print(
-        f"recommend {spec.model.name}: {target:g} requests/s of {lengths} within TTFT <= "
-        f"{ttft_ms:g} ms, TPOT <= {tpot_ms:g} ms"
-    )
-    # serving.batch_size caps the running requests; the static-sweep default states none
-    caps = list(spec.batch_sizes)
-    max_running = None if caps == ServingConf().batch_size else max(caps)
-    cap_from = "engine.max_running" if max_running is None else "serving.batch_size"
-    print(
-        f"weights {spec.weights_dtype}, KV cache {spec.kv_dtype}, engine {spec.engine.name}, "
-        f"running requests at most {max_running or spec.engine.max_running} ({cap_from}) "
-        "and the KV capacity"
+        f"recommend {spec.model.name}: {target:g} requests/s of {prompt} prompt + "
+        f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
+        f"{tpot_ms:g} ms"
     )
     per_node = spec.cluster.gpus_per_node
-    tps = (
-        tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
-        if spec.tp == "auto"
-        else tuple(spec.tp)
-    )
+    tps = tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
     candidates = []
     for hw in spec.hardware:
         answer = recommend(
             spec.model,
             hw,
             spec.cluster,
-            prompt=None if mix else prompt,
-            output_tokens=None if mix else spec.output_tokens,
-            mix=mix,
+            prompt=prompt,
+            output_tokens=spec.output_tokens,
             target_requests_per_s=target,
             ttft_sla_s=ttft_ms / 1e3,
             tpot_sla_s=tpot_ms / 1e3,
             tps=tps,
-            eps=tuple(spec.ep),
-            weights_dtype=spec.weights_dtype,
-            kv_dtype=spec.kv_dtype,
-            max_running=max_running,
-            engine=spec.engine,
             prefill_hardware=prefill_hw,
             kv_link=sv.kv_link,
             timing=timing,
@@ -442,12 +443,9 @@ def _run_recommend(cfg: DictConfig) -> int:
             candidates.append(frame.assign(hardware=hw.name, model=spec.model.name, part=part))
         if len(answer.aggregated):
             a = answer.aggregated.iloc[0]
-            ep = f" ep {a.ep}" if a.ep > 1 else ""
             print(
-                f"  aggregated:    {a.gpus:.0f} GPUs = {a.replicas:.0f} "
-                f"replica{'' if a.replicas == 1 else 's'} x tp {a.tp}{ep} "
-                f"(max_running {a.max_running}, prefill budget {a.prefill_budget}, bound by "
-                f"{BOUND_WORDS.get(a.bound, a.bound)}); TTFT "
+                f"  aggregated:    {a.gpus:.0f} GPUs = {a.replicas:.0f} replicas x tp {a.tp} "
+                f"(max_running {a.max_running}, prefill budget {a.prefill_budget}); TTFT "
                 f"{a.ttft_s * 1e3:.0f} ms unqueued, TPOT {a.tpot_s * 1e3:.1f} ms, "
                 f"{a.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
@@ -456,22 +454,18 @@ def _run_recommend(cfg: DictConfig) -> int:
         if len(answer.disaggregated):
             d = answer.disaggregated.iloc[0]
             other = "" if d.prefill_hardware == hw.name else f" ({d.prefill_hardware})"
-            p_ep = f" ep {d.prefill_ep}" if d.prefill_ep > 1 else ""
-            d_ep = f" ep {d.decode_ep}" if d.decode_ep > 1 else ""
             print(
                 f"  disaggregated: {d.gpus:.0f} GPUs = {d.prefill_replicas:.0f} prefill x tp "
-                f"{d.prefill_tp}{p_ep}{other}"
-                f" + {d.decode_replicas:.0f} decode x tp {d.decode_tp}{d_ep} (batch "
-                f"{d.decode_batch}, bound by {BOUND_WORDS.get(d.bound, d.bound)}); TTFT "
-                f"{d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
+                f"{d.prefill_tp}{other}"
+                f" + {d.decode_replicas:.0f} decode x tp {d.decode_tp} (batch "
+                f"{d.decode_batch}); TTFT {d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
                 f"{d.tpot_s * 1e3:.1f} ms, {d.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
             rate, layout = aggregated_rate_at(answer.aggregated, d.gpus)
             if layout is not None:
                 print(
                     f"  at {d.gpus:.0f} GPUs aggregated serves {rate:.1f} requests/s "
-                    f"(tp {layout.tp}{f' ep {layout.ep}' if layout.ep > 1 else ''}, "
-                    f"max_running {layout.max_running}) against "
+                    f"(tp {layout.tp}, max_running {layout.max_running}) against "
                     f"{target:g} disaggregated"
                 )
         else:
@@ -498,9 +492,8 @@ def _run_recommend(cfg: DictConfig) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{new_run_id()}.parquet"
     pd.concat(candidates, ignore_index=True).assign(
-        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms,
-        prompt=np.nan if mix else prompt, output_tokens=np.nan if mix else spec.output_tokens,
-        request_mix=mix_label or None,
+        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms, prompt=prompt,
+        output_tokens=spec.output_tokens,
     ).to_parquet(path)  # fmt: skip
     print(f"\nrecommendation candidates: {path}")
     return 0
@@ -511,7 +504,29 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except StageDseError as exc:
+        _forget_run_record()
         sys.exit(fail("stage-dse", str(exc)))
+
+
+def _forget_run_record() -> None:
+    """A failed job leaves no record: its Hydra output folder (the composed config under
+    ``<results>/<sweep>/_runs/<time>/``) is removed, and the folders above it while empty."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        out = Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not inside a Hydra job (run() called directly)
+        return
+    if not (out / ".hydra").is_dir() or any(p.name != ".hydra" for p in out.iterdir()):
+        return  # not only Hydra's own record: leave it
+    shutil.rmtree(out, ignore_errors=True)
+    for parent in out.parents:
+        try:
+            parent.rmdir()  # only while empty
+        except OSError:
+            break
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -527,9 +542,6 @@ def validate_config(cfg: DictConfig) -> None:
     to_sweep(cfg)
     if cfg.search.kind == "optuna":
         to_optuna(cfg)
-
-
-MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def usage() -> str:
@@ -574,18 +586,40 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in args):
         print(usage())
         return
-    if not any(a.startswith("-") for a in args):  # a plain run: check overrides first
-        message = precheck(args)
+    code = _main(args)
+    if code:
+        sys.exit(code)
+
+
+def _main(args: list[str]) -> int:
+    """Check every job before Hydra starts any (nothing is written for a refused run), then
+    hand the command line to Hydra with its own flags first."""
+    try:
+        overrides, unknown, known = split_args(args)
+    except StageDseError as exc:
+        return fail("stage-dse", str(exc))
+    if not unknown:  # Hydra's other flags (--cfg, --info, ...) go to Hydra unchecked
+        config_dir = known.get("config_dir")
+        config_name = str(known.get("config_name", "config"))
+        if config_dir is not None and not Path(str(config_dir)).is_dir():
+            return fail("stage-dse", f"--config-dir {config_dir}: no such folder")
+        message = check_jobs(
+            overrides,
+            validate_config,
+            None if config_dir is None else str(config_dir),
+            config_name,
+            multirun=bool(known.get("multirun")),
+        )
         if message:
-            sys.exit(fail("stage-dse", message))
-    elif any(a in MULTIRUN_FLAGS for a in args):
-        # every job of a multirun is composed and validated before the first one runs
-        overrides = [a for a in args if not a.startswith("-")]
-        if len(overrides) == len(args) - 1:  # no other flags
-            message = check_jobs(overrides, validate_config)
-            if message:
-                sys.exit(fail("stage-dse", message))
+            return fail("stage-dse", message)
+        flags = ["-m"] if known.get("multirun") else []
+        if config_dir is not None:
+            flags += ["--config-dir", str(config_dir)]
+        if "config_name" in known:
+            flags += ["--config-name", config_name]
+        sys.argv = [sys.argv[0], *flags, *overrides]
     _hydra_main()
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

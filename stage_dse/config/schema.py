@@ -284,7 +284,8 @@ class Config:
     replace_stale: bool = False
     """Delete result parts written by another hash scheme or cost model and evaluate their
     configurations again (default: refuse to resume over them)."""
-    num_gpus: list[int] = field(default_factory=lambda: [64])
+    num_gpus: Any = field(default_factory=lambda: [64])
+    """GPU counts to sweep: a list, or one count (``-m num_gpus=64,128``: a job per count)."""
     top_k: int = 10
     mode: str = "sweep"
     """sweep: evaluate and rank; budget: cheapest/fastest plans within budget.* limits."""
@@ -373,19 +374,17 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
     training = _spec("training", TrainingSpec, c["training"])
     hardware = hardware_from_dict(c["hardware"])
     num_gpus = c["num_gpus"]
-    if isinstance(num_gpus, int):
-        num_gpus = [num_gpus]
-    space = to_search_space(c["plan"])
-    check_explicit_degrees(space, model, training)
-    cluster_data = dict(c["cluster"])
-    cluster_data["num_gpus"] = (
-        max(num_gpus) if num_gpus and min(num_gpus) > 0 else cluster_data["num_gpus"]
-    )
+    if not isinstance(num_gpus, list | tuple):
+        num_gpus = [num_gpus]  # one count, e.g. a job of -m num_gpus=64,128
     for n in num_gpus:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"num_gpus values must be integers > 0, got {n!r}")
         if n > MAX_GPUS:
             raise ConfigError(f"num_gpus={n} is beyond {MAX_GPUS:,}, past physical sense")
+    space = to_search_space(c["plan"])
+    check_explicit_degrees(space, model, training)
+    cluster_data = dict(c["cluster"])
+    cluster_data["num_gpus"] = max(num_gpus) if num_gpus else cluster_data["num_gpus"]
     cluster = cluster_from_dict(cluster_data)
     budget = c["budget"]
     mem = budget.get("memory_gib")
