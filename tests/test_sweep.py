@@ -21,7 +21,7 @@ from stage_dse.config import conf_dir, load_cluster, load_hardware, load_model
 from stage_dse.config.schema import to_sweep
 from stage_dse.errors import StageDseError
 from stage_dse.results import ResultStore, best_per, load, pareto
-from stage_dse.runner import LocalExecutor, RayExecutor, SweepSpec, build_table, run_grid
+from stage_dse.runner import LocalExecutor, RayExecutor, SweepSpec, build_table, run_grid, top_table
 from stage_dse.search import SearchSpace
 from stage_dse.spec import TrainingSpec
 
@@ -407,6 +407,7 @@ def test_budget_mode_reports_closest_misses(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cheapest (GPU-seconds per step)" in out and " gpu_s " in out  # the key is shown
     assert "memory judged against: 40.0 GiB usable" in out
+    assert "GPU counts tried (budget.max_gpus=64): 1, 2, 4, 8, 16, 32, 64 (powers of two" in out
 
 
 def test_analysis_helpers(tmp_path):
@@ -482,7 +483,7 @@ def test_summary_covers_only_the_rows_of_this_run(tmp_path, capsys):
     run(compose_cfg([*common, "model=llama3_70b"]))
     out = capsys.readouterr().out
     top = out.split("feasible plans:")[1].strip().splitlines()
-    rows = [line for line in top[1:] if line.strip()]
+    rows = [line for line in top[1:] if line.strip() and not line.startswith("tie:")]
     assert rows and all(line.split()[0] == "llama3_70b" for line in rows)
     df = load(tmp_path / "shared")
     others = int((df["model"] == "llama3_8b").sum())
@@ -571,3 +572,21 @@ def test_memory_line_of_an_optuna_codesign_run_names_each_capacity(tmp_path, cap
     shown = ", ".join(f"{g - hw.memory_reserve_bytes / 2**30:.1f}" for g in (40, 141))
     line = f"memory judged against: {shown} GiB usable per h100_sxm GPU (search.hbm_gib=[40,141])"
     assert line in out
+
+
+def test_top_table_marks_ties_and_lists_more_headroom_first(tmp_path):
+    """Step times within 0.1% tie (a shared rank, ``2=``); among them the plan with more memory
+    headroom comes first; plans further apart keep their order and no tie mark."""
+    from stage_dse.runner.sweep import TIE_REL
+
+    spec = small_spec(gpus=(16,))
+    run_grid(spec, LocalExecutor(), ResultStore(tmp_path / "r"), progress=False)
+    ok = load(tmp_path / "r").query("status == 'ok'").head(5).copy()
+    ok["step_s"] = [1.0, 1.5, 1.5 * (1 + TIE_REL / 2), 1.5 * (1 + TIE_REL * 0.9), 2.0]
+    ok["mem_headroom_bytes"] = [g * 2**30 for g in (5.0, 1.0, 3.0, 2.0, 9.0)]
+    table = top_table(ok, 5)
+    assert list(table["tie"]) == ["", "2=", "2=", "2=", ""]
+    assert list(table["headroom_gib"]) == [5.0, 3.0, 2.0, 1.0, 9.0]
+    assert list(top_table(ok, 2)["tie"]) == ["", "2="]  # the group's best by headroom
+    apart = ok.assign(step_s=[1.0, 1.1, 1.2, 1.3, 1.4])
+    assert "tie" not in top_table(apart, 5).columns

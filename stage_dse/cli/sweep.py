@@ -187,7 +187,7 @@ def run(cfg: DictConfig) -> int:
     """One Hydra job: the whole sweep; returns the number of rows evaluated."""
     from stage_dse.results.store import ResultStore
     from stage_dse.runner.executors import make_executor
-    from stage_dse.runner.sweep import run_grid, top_table
+    from stage_dse.runner.sweep import TIE_REL, run_grid, top_table
 
     check_top_level(cfg)
     check_run_options(cfg)
@@ -229,6 +229,12 @@ def run(cfg: DictConfig) -> int:
     df = store.read()
     _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:", repeats)
     _print_memory_basis(spec, search)
+    if cfg.mode == "budget" and cfg.budget.max_gpus is not None:
+        print(
+            f"GPU counts tried (budget.max_gpus={cfg.budget.max_gpus}): "
+            f"{', '.join(map(str, spec.gpu_counts))} (powers of two up to a node, then node "
+            "multiples doubling, and the budget itself; other counts: num_gpus=[...] instead)"
+        )
     if spec.timing == "measured":
         _print_tables_note(spec.hardware)
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
@@ -269,6 +275,12 @@ def run(cfg: DictConfig) -> int:
     label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
     print(f"\ntop {len(top)} {label} feasible plans:")
     print(top.to_string(index=False) if len(top) else "  none fits")
+    if "tie" in top.columns:
+        what = "GPU-seconds" if rank_by == "gpu_seconds" else "step times"
+        print(
+            f"tie: {what} within {TIE_REL:.1%} of each other share a rank (far below the "
+            "model's error); among them, more memory headroom is listed first"
+        )
     if cfg.mode == "budget":
         miss = df[df["status"] == "infeasible"].copy()
         if len(miss):

@@ -282,12 +282,45 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="plan", unit_scale=True, file=sys.stderr, desc="evaluating")
 
 
+TIE_REL = 1e-3
+"""Plans whose ranking value (step time, GPU-seconds) lies within this fraction of the first
+plan of their group tie: a 0.1% difference is far below what the model resolves (its error
+on published runs is some 15%), so the table says they tie and lists the one with more memory
+headroom first instead of ranking them by noise."""
+
+
+def _rank_with_ties(ok: pd.DataFrame, by: str, k: int) -> tuple[pd.DataFrame, list[str]]:
+    """The ``k`` best rows by ``by`` with tie groups (values within :data:`TIE_REL` of the
+    group's first) ordered by memory headroom, largest first; and each row's tie label
+    (``"2="``: tied, the group's rank) or ``""``."""
+    if len(ok) == 0 or k < 1:
+        return ok.head(0), []
+    head = ok.nsmallest(k, by)
+    edge = float(head[by].max()) * (1 + TIE_REL)
+    cand = ok[ok[by] <= edge].sort_values([by, "mem_total_bytes"], kind="stable")
+    values = cand[by].to_numpy(dtype=np.float64)
+    group = np.zeros(len(values), dtype=np.int64)
+    start = 0
+    for i in range(1, len(values)):
+        if values[i] > values[start] * (1 + TIE_REL):
+            start = i
+        group[i] = start  # the group's first position in value order
+    cand = cand.assign(_group=group, _headroom=-cand["mem_headroom_bytes"].to_numpy())
+    cand = cand.sort_values(["_group", "_headroom"], kind="stable")
+    sizes = pd.Series(group).value_counts()
+    best = cand.head(k)
+    labels = [f"{g + 1}=" if sizes[g] > 1 else "" for g in best["_group"]]
+    return best.drop(columns=["_group", "_headroom"]), labels
+
+
 def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame:
-    """The ``k`` best feasible plans, with the columns a user reads first."""
+    """The ``k`` best feasible plans, with the columns a user reads first. Plans that tie
+    (:data:`TIE_REL`) share a rank in a ``tie`` column (present only when some do), the one
+    with more memory headroom first."""
     ok = df[df["status"] == "ok"]
     if by == "gpu_seconds":
         ok = ok.assign(gpu_seconds=ok["step_s"] * ok["num_gpus"])
-    best = ok.sort_values([by, "mem_total_bytes"]).head(k)
+    best, ties = _rank_with_ties(ok, by, k)
     table = pd.DataFrame(
         {
             "model": best["model"],
@@ -313,4 +346,7 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
         table.insert(13, "split", best["stage_layers"].astype(str))
     if by == "gpu_seconds":  # the ranking key, shown
         table.insert(table.columns.get_loc("step_s") + 1, "gpu_s", best["gpu_seconds"].round(1))
+    if any(ties):
+        shown = "gpu_s" if by == "gpu_seconds" else "step_s"
+        table.insert(table.columns.get_loc(shown) + 1, "tie", ties)
     return table.reset_index(drop=True)
