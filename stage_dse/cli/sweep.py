@@ -408,8 +408,9 @@ def _run_recommend(cfg: DictConfig) -> int:
     import pandas as pd
 
     from stage_dse.config import load_hardware
-    from stage_dse.config.schema import to_serving_sweep
-    from stage_dse.runner.recommend import aggregated_rate_at, recommend
+    from stage_dse.config.schema import ServingConf, to_serving_sweep
+    from stage_dse.runner.recommend import BOUND_WORDS, aggregated_rate_at, recommend
+    from stage_dse.spec.serving import ServingSpec
     from stage_dse.spec.sweep import divisors
 
     spec = to_serving_sweep(cfg)
@@ -423,25 +424,53 @@ def _run_recommend(cfg: DictConfig) -> int:
     sv = cfg.serving
     prefill_hw = load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None
     timing = _serving_timing(cfg, (*spec.hardware, *([prefill_hw] if prefill_hw else [])))
+    # the dtypes are checked before anything is printed
+    ServingSpec(prompt_len=prompt, weights_dtype=spec.weights_dtype, kv_dtype=spec.kv_dtype)
+    mix = [tuple(float(x) for x in item) for item in spec.request_mix] or None
+    total = sum(w for _, _, w in mix or ())
+    mix_label = ",".join(f"{p:g}x{o:g}:{w / total:g}" for p, o, w in mix or ())  # as rows
+    lengths = (
+        f"the mix {mix_label} (prompt x output:weight)"
+        if mix
+        else f"{prompt} prompt + {spec.output_tokens} output tokens"
+    )
     print(
-        f"recommend {spec.model.name}: {target:g} requests/s of {prompt} prompt + "
-        f"{spec.output_tokens} output tokens within TTFT <= {ttft_ms:g} ms, TPOT <= "
-        f"{tpot_ms:g} ms"
+        f"recommend {spec.model.name}: {target:g} requests/s of {lengths} within TTFT <= "
+        f"{ttft_ms:g} ms, TPOT <= {tpot_ms:g} ms"
+    )
+    # serving.batch_size caps the running requests; the static-sweep default states none
+    caps = list(spec.batch_sizes)
+    max_running = None if caps == ServingConf().batch_size else max(caps)
+    cap_from = "engine.max_running" if max_running is None else "serving.batch_size"
+    print(
+        f"weights {spec.weights_dtype}, KV cache {spec.kv_dtype}, engine {spec.engine.name}, "
+        f"running requests at most {max_running or spec.engine.max_running} ({cap_from}) "
+        "and the KV capacity"
     )
     per_node = spec.cluster.gpus_per_node
-    tps = tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
+    tps = (
+        tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
+        if spec.tp == "auto"
+        else tuple(spec.tp)
+    )
     candidates = []
     for hw in spec.hardware:
         answer = recommend(
             spec.model,
             hw,
             spec.cluster,
-            prompt=prompt,
-            output_tokens=spec.output_tokens,
+            prompt=None if mix else prompt,
+            output_tokens=None if mix else spec.output_tokens,
+            mix=mix,
             target_requests_per_s=target,
             ttft_sla_s=ttft_ms / 1e3,
             tpot_sla_s=tpot_ms / 1e3,
             tps=tps,
+            eps=tuple(spec.ep),
+            weights_dtype=spec.weights_dtype,
+            kv_dtype=spec.kv_dtype,
+            max_running=max_running,
+            engine=spec.engine,
             prefill_hardware=prefill_hw,
             kv_link=sv.kv_link,
             timing=timing,
@@ -455,9 +484,12 @@ def _run_recommend(cfg: DictConfig) -> int:
             candidates.append(frame.assign(hardware=hw.name, model=spec.model.name, part=part))
         if len(answer.aggregated):
             a = answer.aggregated.iloc[0]
+            ep = f" ep {a.ep}" if a.ep > 1 else ""
             print(
-                f"  aggregated:    {a.gpus:.0f} GPUs = {a.replicas:.0f} replicas x tp {a.tp} "
-                f"(max_running {a.max_running}, prefill budget {a.prefill_budget}); TTFT "
+                f"  aggregated:    {a.gpus:.0f} GPUs = {a.replicas:.0f} "
+                f"replica{'' if a.replicas == 1 else 's'} x tp {a.tp}{ep} "
+                f"(max_running {a.max_running}, prefill budget {a.prefill_budget}, bound by "
+                f"{BOUND_WORDS.get(a.bound, a.bound)}); TTFT "
                 f"{a.ttft_s * 1e3:.0f} ms unqueued, TPOT {a.tpot_s * 1e3:.1f} ms, "
                 f"{a.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
@@ -466,18 +498,22 @@ def _run_recommend(cfg: DictConfig) -> int:
         if len(answer.disaggregated):
             d = answer.disaggregated.iloc[0]
             other = "" if d.prefill_hardware == hw.name else f" ({d.prefill_hardware})"
+            p_ep = f" ep {d.prefill_ep}" if d.prefill_ep > 1 else ""
+            d_ep = f" ep {d.decode_ep}" if d.decode_ep > 1 else ""
             print(
                 f"  disaggregated: {d.gpus:.0f} GPUs = {d.prefill_replicas:.0f} prefill x tp "
-                f"{d.prefill_tp}{other}"
-                f" + {d.decode_replicas:.0f} decode x tp {d.decode_tp} (batch "
-                f"{d.decode_batch}); TTFT {d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
+                f"{d.prefill_tp}{p_ep}{other}"
+                f" + {d.decode_replicas:.0f} decode x tp {d.decode_tp}{d_ep} (batch "
+                f"{d.decode_batch}, bound by {BOUND_WORDS.get(d.bound, d.bound)}); TTFT "
+                f"{d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
                 f"{d.tpot_s * 1e3:.1f} ms, {d.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
             rate, layout = aggregated_rate_at(answer.aggregated, d.gpus)
             if layout is not None:
                 print(
                     f"  at {d.gpus:.0f} GPUs aggregated serves {rate:.1f} requests/s "
-                    f"(tp {layout.tp}, max_running {layout.max_running}) against "
+                    f"(tp {layout.tp}{f' ep {layout.ep}' if layout.ep > 1 else ''}, "
+                    f"max_running {layout.max_running}) against "
                     f"{target:g} disaggregated"
                 )
         else:
