@@ -540,8 +540,9 @@ def _run_recommend(cfg: DictConfig) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{new_run_id()}.parquet"
     pd.concat(candidates, ignore_index=True).assign(
-        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms, prompt=prompt,
-        output_tokens=spec.output_tokens,
+        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms,
+        prompt=np.nan if mix else prompt, output_tokens=np.nan if mix else spec.output_tokens,
+        request_mix=mix_label or None,
     ).to_parquet(path)  # fmt: skip
     print(f"\nrecommendation candidates: {path}")
     return 0
