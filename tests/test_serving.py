@@ -427,3 +427,22 @@ def test_bad_output_length_options_name_the_field(override, field, tmp_path):
 
     args = ["workload=serving", "serving.mode=continuous", override]
     assert run_case("stage-dse", args, field, str(tmp_path)) is None
+
+
+def test_a_decode_pool_holds_the_decode_working_set_not_its_batchs_prefill():
+    model = load_model("llama3_70b")
+    serving = ServingSpec(prompt_len=4096, output_tokens=256, batch_size=64)
+    row, key = serving_row(model, serving, H100, load_cluster("dgx_h100"), 8)
+    out = evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+    # prefilling 64 x 4096 tokens at once needs far more than one decode token per sequence
+    assert out["serve_decode_working_bytes"] < out["serve_working_bytes"] / 100
+    assert out["serve_decode_kv_capacity_seqs"] >= out["serve_kv_capacity_seqs"]
+    usable = row["usable_memory"]
+    expect = (
+        usable
+        - out["serve_weights_bytes"]
+        - out["serve_kv_cache_bytes"]
+        - out["serve_decode_working_bytes"]
+    )
+    assert out["serve_decode_headroom_bytes"] == pytest.approx(expect, rel=1e-9)
+    assert out["serve_decode_headroom_bytes"] >= out["serve_mem_headroom_bytes"]

@@ -288,6 +288,14 @@ def _program(key: ServingKey, measured: bool):
     out["serve_mem_headroom_bytes"] = S.usable_memory - out["serve_mem_total_bytes"]
     free = S.usable_memory - out["serve_weights_bytes"] - out["serve_working_bytes"]
     out["serve_kv_capacity_seqs"] = sp.floor(sp.Max(0, free, evaluate=False) / kv_per_seq_gpu)
+    # a decode-only replica (a disaggregated decode pool) never runs a prompt: its working set
+    # is the decode pass's, not the prefill of its whole batch
+    out["serve_decode_working_bytes"] = dec["working"]
+    free_decode = S.usable_memory - out["serve_weights_bytes"] - dec["working"]
+    out["serve_decode_kv_capacity_seqs"] = sp.floor(
+        sp.Max(0, free_decode, evaluate=False) / kv_per_seq_gpu
+    )
+    out["serve_decode_headroom_bytes"] = free_decode - out["serve_kv_cache_bytes"]
     # the attention-core kernels of each pass (what attends over the context), the rest being
     # linear layers, norms, collectives and pipeline hops: the parts of a continuous-batching
     # step (stage_dse.cost.batching)

@@ -382,14 +382,15 @@ def _disaggregated(
     one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,))
     one = evaluate_serving_table(one_t, one_k, timing=measured)
 
-    # the largest batch whose cache fits beside its own working set (a static pass's, which
-    # grows with the batch: the capacity falls as the batch grows), by bisection
+    # the largest batch whose cache fits beside its own working set (a decode pass's: a
+    # decode pool runs no prompt; it grows with the batch, so the capacity falls as the batch
+    # grows), by bisection
     def fits(batch):
         at = one_t.assign(micro_batch=np.maximum(batch, 1.0))
-        got = evaluate_serving_table(at, one_k, timing=measured)["serve_kv_capacity_seqs"]
-        return (batch >= 1) & (batch <= got.to_numpy())
+        got = evaluate_serving_table(at, one_k, timing=measured)
+        return (batch >= 1) & (batch <= got["serve_decode_kv_capacity_seqs"].to_numpy())
 
-    hi = np.minimum(cap, one["serve_kv_capacity_seqs"].to_numpy()).astype(float)
+    hi = np.minimum(cap, one["serve_decode_kv_capacity_seqs"].to_numpy()).astype(float)
     lo = np.zeros_like(hi)
     top = fits(hi)
     lo[top] = hi[top]
@@ -411,7 +412,7 @@ def _disaggregated(
     dec = evaluate_serving_table(dec_t, dec_k, timing=measured)
     pre = _with_engine(pre, engine, 1, "serve_ttft_s")
     dec = _with_engine(dec, engine, [b for _, _, b, _ in dec_m], "serve_tpot_s")
-    dec_fits = (dec["serve_mem_headroom_bytes"] >= 0).to_numpy()
+    dec_fits = (dec["serve_decode_headroom_bytes"] >= 0).to_numpy()
     pairs = [(i, j) for i in range(len(pre)) for j in range(len(dec)) if dec_fits[j]]
     p_idx, d_idx = [i for i, _ in pairs], [j for _, j in pairs]
     p_ep = np.array([pre_m[i][1] for i in p_idx], float)
@@ -439,7 +440,7 @@ def _disaggregated(
             "decode_tp": [dec_m[j][0] for j in d_idx],
             "decode_ep": [dec_m[j][1] for j in d_idx],
             "decode_batch": [dec_m[j][2] for j in d_idx],
-            "kv_capacity_seqs": dec["serve_kv_capacity_seqs"].to_numpy()[d_idx],
+            "kv_capacity_seqs": dec["serve_decode_kv_capacity_seqs"].to_numpy()[d_idx],
             "bound": [dec_m[j][3] for j in d_idx],
             "ttft_s": per["dis_ttft_s"],
             "tpot_s": per["dis_tpot_s"],
