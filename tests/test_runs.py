@@ -14,6 +14,7 @@ import pytest
 from test_sweep import compose_cfg, small_spec
 
 from stage_dse.cli import run
+from stage_dse.cli.sweep import INTERRUPTED
 from stage_dse.errors import StageDseError
 from stage_dse.results import ResultStore, load
 from stage_dse.runner import LocalExecutor, build_table, run_grid
@@ -73,15 +74,36 @@ def test_second_writer_names_the_holder_and_waits(tmp_path):
     assert proc.returncode == 0 and "acquired" in out
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def _damage(part: Path, damage: str) -> None:
+    data = part.read_bytes()
+    if damage == "empty":
+        part.write_bytes(b"")
+    elif damage == "truncated":
+        part.write_bytes(data[: len(data) // 2])
+    else:  # the pages of one column overwritten, the footer intact: only reading them fails
+        import pyarrow.parquet as pq
+
+        column = damage.split(":")[1]
+        meta = pq.read_metadata(part).row_group(0)
+        chunks = [meta.column(i) for i in range(meta.num_columns)]
+        chunk = next(c for c in chunks if c.path_in_schema == column)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        size = chunk.total_compressed_size
+        garbage = (bytes(range(251)) * (size // 251 + 1))[:size]
+        part.write_bytes(data[:start] + garbage + data[start + size :])
+        pq.read_metadata(part)  # still opens
+        with pytest.raises(Exception):  # noqa: B017  (whichever arrow error the page gives)
+            pq.read_table(part, columns=[column])
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "pages:config_hash"])
 def test_corrupt_part_is_quarantined_and_its_rows_evaluated_again(tmp_path, damage):
     root = tmp_path / "c"
     spec = small_spec()
     run_grid(spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False)
     before = load(root)
     part = sorted(root.glob("part-*.parquet"))[0]
-    data = part.read_bytes()
-    part.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    _damage(part, damage)
     lines: list[str] = []
     run_grid(
         spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False, log=lines.append
@@ -300,6 +322,91 @@ def test_auto_runner_picks_ray_for_large_runs_and_for_a_cluster_address():
     joined = AutoExecutor(address="ray://head:10001")
     assert "runner.address=ray://head:10001 given" in joined.choose(10)
     assert isinstance(joined.inner, RayExecutor)
+
+
+@pytest.mark.parametrize("damage", ["empty", "pages:step_s"])
+def test_an_unreadable_part_never_breaks_load_or_plot(tmp_path, damage, capsys):
+    """Outside a sweep, reading a folder with a zero-byte or corrupt part quarantines it (with
+    a warning) and returns every other row; stage-dse-plot draws from the rest."""
+    from stage_dse.cli.plot import main as plot_main
+
+    root = tmp_path / "c"
+    run_grid(small_spec(), LocalExecutor(), ResultStore(root), batch_size=400, progress=False)
+    import pyarrow.parquet as pq
+
+    parts = sorted(root.glob("part-*.parquet"))
+    kept = len(load(root)) - pq.read_metadata(parts[0]).num_rows
+    _damage(parts[0], damage)
+    df = load(root)
+    assert len(df) == kept > 0 and df["config_hash"].is_unique
+    err = capsys.readouterr().err
+    assert parts[0].name in err and "_quarantine" in err
+    assert (root / "_quarantine" / parts[0].name).is_file()
+    assert plot_main([str(root), "--out", str(tmp_path / "png")]) == 0
+    assert list((tmp_path / "png").glob("*.png"))
+
+
+def test_a_full_disk_ends_in_one_line_and_keeps_the_parts_written(tmp_path, monkeypatch):
+    """The third part fails to write (ENOSPC): one StageDseError naming the folder and what is
+    kept, no temporary left behind; the rerun resumes and stores each configuration once."""
+    import errno
+
+    import stage_dse.results.store as store_mod
+
+    real_fsync, calls = os.fsync, []
+
+    def full_after_two(fd):
+        calls.append(fd)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    root = tmp_path / "full"
+    spec = small_spec()
+    monkeypatch.setattr(store_mod.os, "fsync", full_after_two)
+    with pytest.raises(StageDseError) as info:
+        run_grid(spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message
+    assert f"cannot write a part to {root}" in message and "rerun to resume" in message
+    assert not list(root.glob(".tmp-*"))
+    assert len(list(root.glob("part-*.parquet"))) == 2
+    monkeypatch.setattr(store_mod.os, "fsync", real_fsync)
+    report = run_grid(spec, LocalExecutor(), ResultStore(root), batch_size=200, progress=False)
+    df = load(root)
+    assert report.skipped > 0 and len(df) == report.valid and df["config_hash"].is_unique
+
+
+def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
+    """SIGINT mid-sweep: exit 130 with one line on stderr; the parts written are kept and the
+    rerun stores each configuration once."""
+    import signal
+
+    args = [
+        "stage-dse",
+        f"results_dir={tmp_path}",
+        "runner=local",
+        "runner.progress=false",
+        "runner.batch_size=2000",
+        "model=llama3_70b",
+        "num_gpus=[256,512,1024]",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "evaluating up to" in line:
+            break
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("default/part-*.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130, err[-2000:]
+    assert lines == [f"stage-dse: error: {INTERRUPTED}"]
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    df = load(tmp_path / "default")
+    assert df["config_hash"].is_unique and "reused" in rerun.stdout
 
 
 def _stage_dse(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

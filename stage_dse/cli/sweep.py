@@ -548,6 +548,12 @@ def _run_recommend(cfg: DictConfig) -> int:
     return 0
 
 
+INTERRUPTED = (
+    "interrupted: every part written so far is kept; run the same command again to resume "
+    "(stored configurations are skipped)"
+)
+
+
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
@@ -555,6 +561,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     except StageDseError as exc:
         _forget_run_record()
         sys.exit(fail("stage-dse", str(exc)))
+    except KeyboardInterrupt:
+        sys.exit(fail("stage-dse", INTERRUPTED, code=130))
 
 
 def _forget_run_record() -> None:
@@ -635,7 +643,10 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in args):
         print(usage())
         return
-    code = _main(args)
+    try:
+        code = _main(args)
+    except KeyboardInterrupt:
+        code = fail("stage-dse", INTERRUPTED, code=130)
     if code:
         sys.exit(code)
 

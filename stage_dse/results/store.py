@@ -10,9 +10,11 @@ a rerun reads the hashes already present and evaluates only the others.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +41,15 @@ __all__ = ["ResultStore", "encode_part", "new_run_id"]
 PART_GLOB = "part-*.parquet"
 LOCK_NAME = ".writer.lock"
 QUARANTINE_DIR = "_quarantine"
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _read(parts: list[Path], columns: list[str] | None = None, filters=None) -> pa.Table:
+    dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
+    return dataset.to_table(columns=columns, filter=filters)
 
 
 def _try_lock(fd: int) -> bool:
@@ -143,22 +154,67 @@ class ResultStore:
 
     def quarantine_corrupt(self, log: Callable[[str], None] = print) -> list[Path]:
         """Parts whose Parquet footer cannot be read (a truncated or zero-byte file, e.g. from a
-        disk that filled up) moved to ``<root>/_quarantine/``, one warning each."""
-        moved = []
+        disk that filled up) moved to ``<root>/_quarantine/``, one warning each. (Corrupt data
+        pages behind a sound footer are found when a read fails: :meth:`unreadable_parts`.)"""
+        bad = {}
         for part in self.parts():
             try:
                 pq.read_metadata(part)
             except (OSError, pa.ArrowException) as exc:
-                dest = self.root / QUARANTINE_DIR / part.name
-                dest.parent.mkdir(exist_ok=True)
-                os.replace(part, dest)
-                moved.append(dest)
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                log(
-                    f"warning: {part} is not a readable Parquet file ({reason}); moved to "
-                    f"{dest}, its configurations will be evaluated again"
-                )
+                bad[part] = _reason(exc)
+        return self._quarantine(bad, log)
+
+    def unreadable_parts(self, columns: list[str] | None = None) -> dict[Path, str]:
+        """Each part that cannot be read whole (footer, or any data page of ``columns``; all
+        columns by default), with why. Decodes every page: called only once a read failed."""
+        bad = {}
+        for part in self.parts():
+            try:
+                pq.read_table(part, columns=columns, schema=RESULT_SCHEMA)
+            except (OSError, pa.ArrowException) as exc:
+                bad[part] = _reason(exc)
+        return bad
+
+    def _quarantine(self, bad: dict[Path, str], log: Callable[[str], None]) -> list[Path]:
+        moved = []
+        for part, reason in bad.items():
+            dest = self.root / QUARANTINE_DIR / part.name
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(part, dest)
+            moved.append(dest)
+            log(
+                f"warning: {part} is not a readable Parquet file ({reason}); moved to "
+                f"{dest}, its configurations will be evaluated again"
+            )
         return moved
+
+    def _set_aside(self, columns: list[str] | None, log: Callable[[str], None]) -> set[Path]:
+        """After a failed read: quarantine the unreadable parts when no sweep is writing the
+        folder (taking its lock for the move), else leave them and name them; returns them."""
+        bad = self.unreadable_parts(columns)
+        if not bad:
+            return set()
+        own = self._lock_fd is not None
+        fd = None
+        if not own:
+            try:
+                fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                fd = None
+            if fd is not None and not _try_lock(fd):
+                os.close(fd)
+                fd = None
+        if own or fd is not None:
+            try:
+                self._quarantine(bad, log)
+            finally:
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+        else:
+            for part, reason in bad.items():
+                log(f"warning: skipped {part}, not a readable Parquet file ({reason})")
+        return set(bad)
 
     def _provenance(self) -> list[tuple[Path, str]]:
         """Each part with why it cannot be resumed from ("" when it can)."""
@@ -175,13 +231,17 @@ class ResultStore:
             out.append((part, why))
         return out
 
-    def check_workload(self, workload: str) -> None:
+    def check_workload(self, workload: str, log: Callable[[str], None] = print) -> None:
         """Refuse to add ``workload`` rows (training or serving) to a folder holding the other
         kind: their columns and summaries differ."""
         parts = self.parts()
         if not parts:
             return
-        table = ds.dataset([str(p) for p in parts], format="parquet").to_table(columns=["workload"])
+        try:
+            table = _read(parts, ["workload"])
+        except (OSError, pa.ArrowException):
+            skipped = self._set_aside(["workload"], log)
+            table = _read([p for p in self.parts() if p not in skipped], ["workload"])
         other = set(table.column("workload").to_pylist()) - {workload, None}
         if other:
             raise StageDseError(
@@ -242,16 +302,29 @@ class ResultStore:
         return changed
 
     def _commit(self, data: bytes, final: Path) -> None:
-        """Temporary file, fsync, rename: a reader sees the whole part or none of it."""
+        """Temporary file, fsync, rename: a reader sees the whole part or none of it. A write
+        that fails (disk full, folder gone or read-only) removes its temporary and ends in one
+        line: the parts already written stay, and a rerun resumes from them."""
         tmp = self.root / f".tmp-{final.name}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StageDseError(
+                f"cannot write a part to {self.root} ({exc.strerror or exc}); the "
+                f"{len(self.parts()):,} parts written before are kept: free space or fix the "
+                "folder, then rerun to resume"
+            ) from None
 
-    def hashes(self) -> set[str]:
-        """The config hashes already stored (what a resumed sweep skips)."""
+    def hashes(self, log: Callable[[str], None] = print) -> set[str]:
+        """The config hashes already stored (what a resumed sweep skips); a part whose hash
+        pages cannot be read is quarantined (``log`` says so) and its configurations count as
+        not stored."""
         parts = self.parts()
         if not parts:
             return set()
@@ -262,17 +335,28 @@ class ResultStore:
                     "resuming would keep them beside new results; rerun with "
                     "replace_stale=true to evaluate them again, or choose another sweep_name"
                 )
-        table = ds.dataset([str(p) for p in parts], format="parquet").to_table(
-            columns=["config_hash"]
-        )
+        try:
+            table = _read(parts, ["config_hash"])
+        except (OSError, pa.ArrowException):  # a corrupt page: set it aside, then resume
+            skipped = self._set_aside(["config_hash"], log)
+            table = _read([p for p in self.parts() if p not in skipped], ["config_hash"])
         return set(table.column("config_hash").to_pylist())
 
     def read(self, columns: list[str] | None = None, filters=None) -> pd.DataFrame:
+        """The rows as a DataFrame. A part that cannot be read (zero bytes, truncated, corrupt
+        pages) never fails the read: it is quarantined, or skipped with a warning on stderr
+        while a sweep writes the folder."""
         parts = self.parts()
         if not parts:
             return empty_results()
-        dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
-        table = dataset.to_table(columns=columns, filter=filters)
+        try:
+            table = _read(parts, columns, filters)
+        except (OSError, pa.ArrowException):
+            skipped = self._set_aside(columns, lambda line: print(line, file=sys.stderr))
+            parts = [p for p in self.parts() if p not in skipped]
+            if not parts:
+                return empty_results()
+            table = _read(parts, columns, filters)
         # dictionary-encoded text loads as plain strings: stable dtypes whatever the part order
         for i, f in enumerate(table.schema):
             if pa.types.is_dictionary(f.type):

@@ -138,7 +138,7 @@ def run_grid(
     """
     replaced = store.prepare(log)
     try:
-        store.check_workload("training")
+        store.check_workload("training", log)
         return _run_grid(spec, executor, store, batch_size, progress, log, replaced)
     finally:
         store.release()
@@ -189,7 +189,7 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
     report = SweepReport(name=spec.name, run_id=new_run_id())
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
-    done = frozenset(store.hashes())
+    done = frozenset(store.hashes(log))
     blocks: list[Block] = []
     for model in spec.models:
         for hw in spec.hardware:
