@@ -20,50 +20,131 @@ from stage_dse.trace.replay import replay_trace_dir
 from stage_dse.trace.serving import write_serving_trace
 
 H100 = load_hardware("h100_sxm")
+# the schedule check runs without the closed form's overlap slowdown (NCCL kernels slowing the
+# compute beside them), which no trace carries; it is checked on its own below
+H100_EXACT = H100.replace(overlap_slowdown=0.0)
 LLAMA8 = load_model("llama3_8b").replace(num_layers=8)
+LLAMA4 = load_model("llama3_8b").replace(num_layers=4)
 MIXTRAL = load_model("mixtral_8x7b").replace(num_layers=4)
+DEEPSEEK = load_model("deepseek_v3").replace(num_layers=4)
 TIED_GPT = gpt(layers=8, hidden=2048, heads=16, tied_embeddings=True)
 STEP = TrainingSpec(seq_len=2048, global_batch_size=16)
 
+AGREE = (0.98, 1.02)
+"""Replay / cost model where both render one schedule."""
+STAGE_IMBALANCE = (0.92, 0.99)
+"""Pipeline stages of unequal time (embedding on the first, output layer and loss on the
+last, uneven splits): the closed form runs warm-up and cool-down at the slowest stage's pace,
+``(m + pp - 1) t_max``; the replay runs each stage at its own."""
+RS_INTO_NEXT_FORWARD = (0.85, 0.99)
+"""ZeRO-2: a micro-batch's reduce-scatters run on under the next micro-batch's forward,
+which has no data-parallel traffic; the closed form keeps them to their own backward."""
+CP_FIRST_EXCHANGE = (1.0, 1.04)
+"""Context parallel: each layer's first K/V exchange is exposed in the trace, the closed form
+hides the whole ring under attention."""
+
 TRAINING_KINDS = {
-    "dense 1f1b": (LLAMA8, ParallelPlan(tp=2, pp=2, dp=2)),
+    "dense 1f1b": (LLAMA8, dict(tp=2, pp=2, dp=2), STAGE_IMBALANCE),
     "interleaved": (
         LLAMA8,
-        ParallelPlan(tp=2, pp=2, dp=2, schedule="interleaved", virtual_stages=2),
+        dict(tp=2, pp=2, dp=2, schedule="interleaved", virtual_stages=2),
+        STAGE_IMBALANCE,
     ),
-    "uneven split": (LLAMA8, ParallelPlan(tp=2, pp=3, dp=1, stage_layers="2,3,3")),
-    "zero-3": (LLAMA8, ParallelPlan(dp=8, zero_stage=3)),
-    "zero-3 full recompute": (LLAMA8, ParallelPlan(dp=8, zero_stage=3, recompute="full")),
-    "zero-2": (LLAMA8, ParallelPlan(dp=8, zero_stage=2)),
-    "sp + cp": (LLAMA8, ParallelPlan(tp=2, cp=2, dp=2, sequence_parallel=True)),
-    "moe / ep": (MIXTRAL, ParallelPlan(dp=4, ep=4, tp=2, sequence_parallel=True)),
-    "tied embeddings": (TIED_GPT, ParallelPlan(tp=2, pp=2, dp=2)),
+    "uneven split": (LLAMA8, dict(tp=2, pp=3, dp=1, stage_layers="2,3,3"), STAGE_IMBALANCE),
+    "zero-1": (LLAMA8, dict(dp=8, zero_stage=1), AGREE),
+    "zero-2": (LLAMA8, dict(dp=8, zero_stage=2), RS_INTO_NEXT_FORWARD),
+    "zero-3": (LLAMA8, dict(dp=8, zero_stage=3), (0.98, 1.025)),
+    "zero-3 full recompute": (LLAMA8, dict(dp=8, zero_stage=3, recompute="full"), AGREE),
+    "tp 8 + zero-3, 64 ranks": (LLAMA8, dict(tp=8, dp=8, zero_stage=3), AGREE),
+    "tp 8 + zero-2, 64 ranks": (LLAMA8, dict(tp=8, dp=8, zero_stage=2), RS_INTO_NEXT_FORWARD),
+    "two nodes, dp 16": (LLAMA4, dict(dp=16), AGREE),
+    "two nodes, dp 16, zero-1": (LLAMA4, dict(dp=16, zero_stage=1), AGREE),
+    "two nodes, dp 16, zero-2": (LLAMA4, dict(dp=16, zero_stage=2), AGREE),
+    "sp + cp": (LLAMA8, dict(tp=2, cp=2, dp=2, sequence_parallel=True), CP_FIRST_EXCHANGE),
+    "moe / ep 4": (MIXTRAL, dict(dp=4, ep=4, tp=2, sequence_parallel=True), AGREE),
+    "mixtral ep 2, zero-1": (
+        MIXTRAL,
+        dict(tp=4, dp=2, ep=2, sequence_parallel=True, zero_stage=1),
+        AGREE,
+    ),
+    "deepseek ep 8": (DEEPSEEK, dict(dp=8, ep=8), AGREE),
+    "deepseek ep 8, zero-1": (DEEPSEEK, dict(dp=8, ep=8, zero_stage=1), AGREE),
+    "tied embeddings": (TIED_GPT, dict(tp=2, pp=2, dp=2), AGREE),
 }
 
 
-def _training_set(tmp_path, model, plan):
+def _training_set(tmp_path, model, plan, hardware=H100_EXACT):
     cluster = load_cluster("dgx_h100", num_gpus=max(8, plan.num_gpus))
-    write_trace_set(TraceConfig(model, STEP, plan, H100, cluster), tmp_path)
+    write_trace_set(TraceConfig(model, STEP, plan, hardware, cluster), tmp_path)
     return tmp_path
+
+
+def _kind(kind):
+    model, plan, bounds = TRAINING_KINDS[kind]
+    return model, ParallelPlan(**plan), bounds
 
 
 @pytest.mark.parametrize("kind", list(TRAINING_KINDS))
 def test_replayed_training_step_matches_the_cost_model(tmp_path, kind):
-    """Within 10% for every kind. Known systematic gaps: the cost model times every stage
-    for the slowest one, ``(m + pp - 1) x t_slowest``, so uneven splits replay a few percent
-    faster; the trace exposes the first context-parallel K/V gather of each layer that the
-    cost model hides under attention; ZeRO-2/3 traces serialise every collective of the
-    data-parallel communicator (one NCCL stream), the cost model only per layer."""
-    model, plan = TRAINING_KINDS[kind]
+    """Within 2% where trace and closed form render one schedule; otherwise inside the bounds
+    of the named effect the replay models and the closed form does not (see the constants)."""
+    model, plan, (low, high) = _kind(kind)
     r = replay_trace_dir(_training_set(tmp_path, model, plan))
     assert r.cost_step_s > 0
-    assert r.step_s == pytest.approx(r.cost_step_s, rel=0.10), (r.step_s, r.cost_step_s)
+    assert low <= r.step_s / r.cost_step_s <= high, (r.step_s, r.cost_step_s)
+
+
+@pytest.mark.parametrize("kind", ["zero-3", "two nodes, dp 16, zero-1"])
+def test_overlap_slowdown_is_the_closed_forms_own(tmp_path, kind):
+    """The closed form charges ``overlap_slowdown`` of every overlapped collective's time on
+    top; the trace's per-node durations cannot carry it, so the replay is faster by at most
+    that share of the step."""
+    model, plan, _ = _kind(kind)
+    exact = replay_trace_dir(_training_set(tmp_path / "exact", model, plan))
+    slowed = replay_trace_dir(_training_set(tmp_path / "slowed", model, plan, H100))
+    assert slowed.step_s == pytest.approx(exact.step_s, rel=1e-9)
+    extra = slowed.cost_step_s - exact.cost_step_s
+    assert 0 < extra <= H100.overlap_slowdown * exact.cost_step_s
+
+
+def test_replicated_gradients_reduce_once_per_step(tmp_path):
+    """Gradients replicated over the tensor-parallel ranks (sequence-parallel norms, the
+    router, experts without expert tensor parallelism) are summed over them once per step
+    after the data-parallel sync, one coalesced all-reduce (Megatron-LM finalize_model_grads),
+    not once per micro-batch."""
+    model, plan, _ = _kind("mixtral ep 2, zero-1")
+    path = _training_set(tmp_path, model, plan)
+    nodes = list(read_trace(path / "trace.0.et")[1])
+    after = [n for n in nodes if n.name.startswith("all_reduce:after_sync:")]
+    assert len(after) == 1
+    comps = [n for n in nodes if n.type == pb.COMP_NODE]
+    assert comps[-1].name == "optimizer_step" and after[0].id in comps[-1].data_deps
+    syncs = {n.id for n in nodes if "(flat)" in n.name and n.name.startswith("reduce_scatter:")}
+    assert syncs and syncs <= set(after[0].data_deps)
+
+
+def test_zero1_gathers_open_the_step(tmp_path):
+    """With overlap_param_gather, ZeRO-1/2 parameter gathers run under the first forward, a
+    layer ahead (Megatron-LM's forward pre-hook), not after the optimizer; without it they
+    follow the optimizer step."""
+    model = LLAMA4
+    for overlap, where in ((True, "first forward"), (False, "after optimizer")):
+        plan = ParallelPlan(dp=8, zero_stage=1, overlap_param_gather=overlap)
+        path = _training_set(tmp_path / where.replace(" ", "_"), model, plan)
+        nodes = list(read_trace(path / "trace.0.et")[1])
+        opt = next(i for i, n in enumerate(nodes) if n.name == "optimizer_step")
+        gathers = [i for i, n in enumerate(nodes) if n.name.startswith("all_gather:")]
+        assert len(gathers) == 1 + 4 + 1  # embedding, layers, output layer
+        if overlap:
+            assert max(gathers) < opt
+        else:
+            assert min(gathers) > opt
 
 
 @pytest.mark.parametrize("kind", ["dense 1f1b", "tied embeddings", "zero-3", "uneven split"])
 def test_one_rank_per_stage_replays_like_every_rank(tmp_path, kind):
     """Ranks of a stage run one template: simulating one per stage gives the all-rank time."""
-    model, plan = TRAINING_KINDS[kind]
+    model, plan, _ = _kind(kind)
     path = _training_set(tmp_path, model, plan)
     few, every = replay_trace_dir(path), replay_trace_dir(path, all_ranks=True)
     assert few.simulated_ranks == plan.pp < every.simulated_ranks == plan.num_gpus
@@ -81,7 +162,7 @@ def test_replayed_serving_passes_match_the_cost_model(tmp_path, phase, pp):
     cluster = load_cluster("dgx_h100", num_gpus=plan.num_gpus)
     ts = write_serving_trace(model, serving, plan, H100, cluster, tmp_path, 3, phase=phase)
     r = replay_trace_dir(ts.path)
-    assert r.step_s == pytest.approx(r.cost_step_s, rel=0.10), (r.step_s, r.cost_step_s)
+    assert r.step_s == pytest.approx(r.cost_step_s, rel=0.02), (r.step_s, r.cost_step_s)
 
 
 def test_zero3_gathers_are_prefetched_one_layer_ahead(tmp_path):

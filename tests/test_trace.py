@@ -512,7 +512,8 @@ def test_trace_cli_config_check_and_json(tmp_path, capsys):
     assert trace_main(["json", str(out / "trace.0.et")]) == 0
     lines = capsys.readouterr().out.splitlines()
     first = json.loads(lines[1])
-    assert json.loads(lines[0]) == {"version": "0.0.4"} and first["type"] == "COMP_NODE"
+    # ZeRO-1 with overlap_param_gather: the step opens with the embedding's parameter gather
+    assert json.loads(lines[0]) == {"version": "0.0.4"} and first["type"] == "COMM_COLL_NODE"
     assert first["id"] == "0" and first["dataDeps"] == []  # defaults are printed too
     # piped into a reader that stops early (`| head`): no traceback, exit 0
     proc = subprocess.Popen(

@@ -66,9 +66,14 @@ Model, in order of the terms of ``time_step_s``:
   ``plan.stage_layers`` gives them (:mod:`stage_dse.spec.stages`); the first (with the
   embeddings), the last (with the output layer and loss) and the fullest middle stage are
   timed, and the slowest sets the pace.
-* **Data parallel**: the per-step gradient reduction hides behind the last micro-batch's
-  backward with ``overlap_grad_reduce`` (the last bucket, one layer's worth, stays exposed);
-  ZeRO-1/2's parameter all-gather hides behind the next forward with ``overlap_param_gather``.
+* **Data parallel**: with ``overlap_grad_reduce`` each section's gradient bucket is issued as
+  the last micro-batch's backward leaves it and the buckets queue on one communicator: what
+  outlasts the backward after the first bucket is exposed, and at least the last (the
+  embedding's on the first stage) (:func:`_bucket_queue`). ZeRO-1/2's parameter all-gathers
+  run under the next step's first forward with ``overlap_param_gather``, a layer ahead (Megatron-
+  LM's forward pre-hook), the same chain as ZeRO-3's gathers. Gradients replicated over the
+  tensor-parallel ranks (sequence-parallel norms, routers, experts) are all-reduced over them
+  once per step after the data-parallel sync (Megatron-LM ``finalize_model_grads``), exposed.
 * **Overlap slowdown**: wherever a collective runs beside compute (each case above), the
   compute runs slower while both run: the part of the collective that outlasts the compute is
   exposed, plus ``overlap_slowdown`` x the overlapped time (NCCL's kernels occupy SMs and HBM
@@ -284,6 +289,9 @@ class SectionTime:
     """... in backward: ZeRO-3 regathers (recompute included) and ZeRO-2/3 reduce-scatters."""
     grad_sync_step: sp.Expr
     param_gather_step: sp.Expr
+    tp_grad_sync_step: sp.Expr
+    """Per-step gradient reductions over groups without the data axis (the tensor-parallel
+    all-reduce of sequence-parallel and replicated parameters' gradients)."""
     optimizer_step: sp.Expr
     fwd_comm: sp.Expr
     bwd_comm: sp.Expr
@@ -332,6 +340,32 @@ def _hidden(comm: sp.Expr, cover: sp.Expr) -> sp.Expr:
     run (``overlap_slowdown`` of the overlapped time: the collective's kernels take SMs and HBM
     bandwidth from the compute beside them)."""
     return _max(0, comm - cover) + S.overlap_slowdown * _min(comm, cover)
+
+
+def _bucket_queue(
+    sync: sp.Expr,
+    cover: sp.Expr,
+    layers: sp.Expr,
+    first: tuple[sp.Expr, sp.Expr],
+    last: tuple[sp.Expr, sp.Expr],
+) -> sp.Expr:
+    """Exposed seconds of a stage's gradient buckets (``sync`` in all) issued one per section
+    as the last micro-batch's backward (``cover`` in all) leaves it, run one after another on
+    one communicator: ``first`` (the output layer's bucket and backward, issued first) and
+    ``last`` (the embedding's, issued last), equal layers between. The tail after the
+    backward is ``max_i (sum_{j>=i} d_j - sum_{j>i} b_j)``, over the buckets ``i`` in issue
+    order; with equal layers the maximum is at an end of the run of layers or at a tier.
+    Plus ``overlap_slowdown`` of what runs under compute."""
+    (d_h, b_h), (d_t, b_t) = first, last
+    n = _max(1, layers)
+    d_l, b_l = (sync - d_h - d_t) / n, (cover - b_h - b_t) / n
+    tail = _max(
+        d_t,
+        d_l + d_t - b_t,
+        n * d_l + d_t - (n - 1) * b_l - b_t,
+        sync - n * b_l - b_t,
+    )
+    return tail + S.overlap_slowdown * _max(0, _min(sync - tail, cover))
 
 
 def _local(t, i: int) -> sp.Expr:
@@ -390,8 +424,12 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
     for op, is_rerun in ops:
         # data-parallel collectives (gradient sync, ZeRO) include the DP axis; a CP-only group
         # is the context-parallel ring
-        if op.is_comm and MeshAxis.DP in op.group:
-            if op.frequency is Frequency.PER_STEP:
+        if op.is_comm and (MeshAxis.DP in op.group or op.frequency is Frequency.PER_STEP):
+            if MeshAxis.DP not in op.group:
+                # once per step after the data-parallel sync, not per micro-batch (Megatron-LM
+                # finalize_model_grads: _allreduce_non_tensor_model_parallel_grads)
+                name = "tp_grad_sync_step"
+            elif op.frequency is Frequency.PER_STEP:
                 name = "param_gather_step" if op.phase is Phase.OPTIMIZER else "grad_sync_step"
             elif op.phase is Phase.FORWARD and not is_rerun:
                 name = "zero_fwd_comm"
@@ -442,6 +480,7 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
         zero_bwd_comm=_sum(acc["zero_bwd_comm"]),
         grad_sync_step=_sum(acc["grad_sync_step"]),
         param_gather_step=_sum(acc["param_gather_step"]),
+        tp_grad_sync_step=_sum(acc["tp_grad_sync_step"]),
         optimizer_step=_sum(acc["optimizer_step"]),
         fwd_comm=_sum(acc["fwd_comm"]),
         bwd_comm=_sum(acc["bwd_comm"]),
@@ -519,6 +558,12 @@ def _derive_time(key: CostKey, measured: bool):
 
     m = S.global_batch / (S.dp * S.micro_batch)
 
+    def fcover(sec: SectionTime) -> sp.Expr:
+        return sec.fwd + sec.fwd_comm
+
+    def bcover(sec: SectionTime) -> sp.Expr:
+        return sec.bwd + sec.bwd_comm
+
     def stage(label: str, parts: list[tuple[SectionTime, sp.Expr]]) -> dict[str, sp.Expr]:
         def tot(attr: str) -> sp.Expr:
             return _sum([getattr(sec, attr) * k for sec, k in parts])
@@ -532,15 +577,34 @@ def _derive_time(key: CostKey, measured: bool):
         ep = tot("ep_comm")
         if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
             ep = _hidden(ep, compute)
-        # ZeRO-2/3: each layer's collectives overlap only the neighbouring layer's compute
-        # (prefetch depth one), so what exceeds it is exposed layer by layer; the first layer's
-        # gather and the last reduce-scatter of a micro-batch have nothing to hide behind
-        zero = _sum(
-            [
-                k * (_hidden(sec.zero_fwd_comm, sec.fwd) + _hidden(sec.zero_bwd_comm, sec.bwd))
-                for sec, k in parts
-            ]
-        ) + (blk.zero_fwd_comm + blk.zero_bwd_comm)
+        # ZeRO-2/3: each layer's collectives overlap only the neighbouring layer's compute and
+        # its exposed tensor-parallel traffic (another communicator), prefetch depth one, so
+        # what exceeds it is exposed layer by layer; the first gather and the last reduce-
+        # scatter have nothing to hide behind. A chain c_0 + sum_{i>=1} max(0, c_i - f_{i-1})
+        # of equal layers is sum_i max(0, c_i - f_i) + min(c, f).
+        ends = {"first": (sp.Integer(1), single), "last": (sp.Integer(0), sp.Integer(1))}
+        e, h = ends.get(label, (sp.Integer(0), sp.Integer(0)))
+        n = {"first": S.first_layers, "last": S.last_layers}.get(label, S.mid_layers)
+
+        def gather_chain(field: str) -> sp.Expr:
+            """Gathers issued a section ahead in forward order (embedding, layers, output
+            layer): each runs under the previous section's compute, ``c_0 + sum_{i>=1}
+            max(0, c_i - f_{i-1})``; the layers counted as equal (the block's)."""
+            c_e, c_l, c_h = (getattr(x, field) for x in (emb, blk, head))
+            f_e, f_l = fcover(emb), fcover(blk)
+            return (
+                e * (c_e + _hidden(c_l, f_e))
+                + (1 - e) * c_l
+                + _max(0, n - 1) * _hidden(c_l, f_l)
+                + h * _hidden(c_h, f_l)
+            )
+
+        zero = gather_chain("zero_fwd_comm") + (
+            _sum([k * _hidden(sec.zero_bwd_comm, bcover(sec)) for sec, k in parts])
+            + _min(blk.zero_bwd_comm, bcover(blk))
+        )
+        # ZeRO-1/2 parameter gathers under the first micro-batch's forward, the same chain
+        param_chain = gather_chain("param_gather_step")
         return {
             "compute": compute,
             "fwd": fwd,
@@ -551,6 +615,9 @@ def _derive_time(key: CostKey, measured: bool):
             "zero": define(f"{label}_zero", zero),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
             "param_gather": define(f"{label}_param_gather", tot("param_gather_step")),
+            "param_gather_chain": define(f"{label}_param_gather_chain", param_chain),
+            "tp_grad_sync": define(f"{label}_tp_grad_sync", tot("tp_grad_sync_step")),
+            "bwd_cover": tot("bwd") + tot("bwd_comm"),
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
         }
 
@@ -584,18 +651,28 @@ def _derive_time(key: CostKey, measured: bool):
 
     t_mb = _max(*t.values())
     bubble_mb = (pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1
-    # data-parallel collectives of each stage overlap its own backward / forward except for the
-    # last bucket (one layer's worth); the step waits for the slowest stage's
+    # data-parallel gradient buckets of each stage queue on one communicator behind the last
+    # micro-batch's backward (_bucket_queue), the parameter gathers of ZeRO-1/2 under the next
+    # step's first forward, a layer ahead (Megatron-LM's forward pre-hook); the tensor-parallel
+    # reduction of replicated parameters' gradients follows the data-parallel sync; the step
+    # waits for the slowest stage's
+    heads = {"first": single, "last": sp.Integer(1), "mid": sp.Integer(0)}
+    tails = {"first": sp.Integer(1), "last": sp.Integer(0), "mid": sp.Integer(0)}
     grad_syncs, param_gathers = [], []
-    for st, layers, on in stages.values():
+    for name, (st, layers, on) in stages.items():
         g, p = st["grad_sync"], st["param_gather"]
         if key.overlap_grad_reduce:
-            last = g / _max(1, layers)  # the last bucket has nothing to hide behind
-            g = last + _hidden(g - last, st["bwd"])
+            h, e = heads[name], tails[name]
+            g = _bucket_queue(
+                g,
+                st["bwd_cover"],
+                layers,
+                (h * head.grad_sync_step, h * bcover(head)),
+                (e * emb.grad_sync_step, e * bcover(emb)),
+            )
         if key.overlap_param_gather:
-            first = p / _max(1, layers)
-            p = first + _hidden(p - first, st["fwd"])
-        grad_syncs.append(on * g)
+            p = st["param_gather_chain"]
+        grad_syncs.append(on * (g + st["tp_grad_sync"]))
         param_gathers.append(on * p)
     grad_sync, param_gather = _max(*grad_syncs), _max(*param_gathers)
     out: dict[str, sp.Expr] = {

@@ -119,6 +119,12 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         g: data_buckets(cfg, [op for op in g.ops if op.phase is Phase.OPTIMIZER])
         for g in graphs.sections
     }
+    # ZeRO-1/2 with overlap_param_gather: each layer's updated parameters are gathered under
+    # the step's first forward, a layer ahead (Megatron-LM: the forward pre-hook waits for its
+    # bucket's all-gather and dispatches the next one, DistributedDataParallel
+    # ._make_forward_pre_hook, _ParamAndGradBucketGroup.finish_param_sync); the trace is the
+    # steady state, so they open the step instead of closing it
+    gather_early = plan.overlap_param_gather
     # ZeRO-2/3 per micro-batch: gathers before forward, regathers (recompute included) before
     # backward, reduce-scatters after backward; compute no longer waits on per-tensor gathers
     zero_fwd = {g: data_buckets(cfg, fwd[g], only=_per_mb_data) for g in graphs.sections}
@@ -147,6 +153,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         prog = Program(cfg, numbers)
         chunks = stage_sections(graphs, model, s, pp, v, plan.stage_layers)
         backwards_done = [0] * v
+        forwards_done = [0] * v
         last_rs: list[int] = []
         for phase, mb, c in schedule_order(s, pp, m, v):
             sections = chunks[c]
@@ -156,10 +163,17 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                     name = f"recv_activation:mb{mb}:c{c}"
                     prog.p2p(False, link.prev_delta, boundary_bytes, link.from_prev_tag, name, hop)
                 instances = [g for g, count in sections for _ in range(count)]
+                first_mb = forwards_done[c] == 0
+                forwards_done[c] += 1
+
+                def gathers(g, first_mb=first_mb):
+                    early = param_gather[g] if first_mb and gather_early else []
+                    return [*early, *zero_fwd[g]]
+
                 # prefetch depth one: layer i+1's gather is issued when layer i starts
-                ahead = issue(prog, zero_fwd[instances[0]]) if instances else []
+                ahead = issue(prog, gathers(instances[0])) if instances else []
                 for j, g in enumerate(instances):
-                    nxt = zero_fwd[instances[j + 1]] if j + 1 < len(instances) else []
+                    nxt = gathers(instances[j + 1]) if j + 1 < len(instances) else []
                     if ahead or nxt:  # a layer boundary only where a gather joins or leaves
                         prog.flush()
                     prog.pending_comm.extend(ahead)
@@ -205,16 +219,32 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                 blocking=False,
                 per_step=True,
             )
+        all_sections = [sc for sections in chunks for sc in sections]
+        # gradients of parameters replicated over groups without the data axis (sequence-
+        # parallel norms, routers, experts over tensor-parallel ranks): one coalesced
+        # all-reduce per group after the data-parallel sync (Megatron-LM finalize_model_grads:
+        # finish_grad_sync, then _allreduce_non_tensor_model_parallel_grads)
+        replicated = [
+            op
+            for g, count in all_sections
+            for _ in range(count)
+            for op in g.ops
+            if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
+        ]
+        after_sync = list(prog.step_comm)
+        for b in data_buckets(cfg, replicated, data_axis=False, label="after_sync"):
+            prog.collective_node(
+                b.name, b.coll, b.group, b.size_bytes, b.micros, False, True, after=after_sync
+            )
         # optimizer step waits for every gradient synchronization, then ZeRO-1/2 gathers
         prog.pending_comm = list(prog.step_comm) + last_rs
-        all_sections = [sc for sections in chunks for sc in sections]
         for g, count in all_sections:
             for _ in range(count):
                 for op in g.ops:
                     if op.kind is OpKind.OPTIMIZER:
                         prog.compute(op)
         prog.flush("optimizer_step")
-        for g, count in all_sections:
+        for g, count in all_sections if not gather_early else ():
             for _ in range(count):
                 issue(prog, param_gather[g])
         templates.append(prog.template(s))
@@ -228,7 +258,13 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         "granularity": cfg.granularity,
         "schedule": "1f1b" if v == 1 else f"interleaved 1f1b, {v} chunks per stage",
         "gradient_sync": "once per step, per layer after its last backward (bucketed); "
-        "ZeRO-2/3 reduce-scatter per micro-batch",
+        "ZeRO-2/3 reduce-scatter per micro-batch; gradients replicated over the tensor-"
+        "parallel group all-reduced over it after the data-parallel sync",
+        "param_gather": (
+            "ZeRO-1/2 parameters gathered under the step's first forward, a layer ahead"
+            if gather_early
+            else "ZeRO-1/2 parameters gathered after the optimizer step"
+        ),
         "embedding_sync": (
             "tied word-embedding gradients all-reduced between the first and last stage "
             "before the optimizer step"
@@ -270,13 +306,16 @@ def _per_mb_data(op) -> bool:
     return op.is_comm and MeshAxis.DP in op.group and op.frequency is Frequency.PER_MICROBATCH
 
 
-def data_buckets(cfg: TraceConfig, ops, only=None, label: str = "") -> list[Bucket]:
-    """The data-parallel collectives among ``ops`` (those whose group holds DP) as one flat
-    buffer per (kind, group), timed as the cost model times the same bucket."""
+def data_buckets(
+    cfg: TraceConfig, ops, only=None, label: str = "", data_axis: bool = True
+) -> list[Bucket]:
+    """The data-parallel collectives among ``ops`` (those whose group holds DP; with
+    ``data_axis=False`` those whose group does not) as one flat buffer per (kind, group),
+    timed as the cost model times the same bucket."""
     sizes: dict[tuple, sp.Expr] = {}
     first: dict[tuple, str] = {}
     for op in ops:
-        if not (op.is_comm and MeshAxis.DP in op.group) or (only and not only(op)):
+        if not (op.is_comm and (MeshAxis.DP in op.group) == data_axis) or (only and not only(op)):
             continue
         k = (op.coll, op.group)
         sizes[k] = sizes.get(k, sp.Integer(0)) + op.comm_bytes
