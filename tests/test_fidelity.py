@@ -125,7 +125,8 @@ def test_zero3_step_time_goes_flat_once_communication_dominates():
         runs[gpus] = evaluate_plan(model, training, plan, hardware=free, cluster=cl)
     small, big = runs[512], runs[1024]
     assert big["compute_s"] / small["compute_s"] == pytest.approx(0.5, rel=0.05)
-    assert big["zero_comm_s"] > 10 * small["zero_comm_s"]
+    # small: only the first gather and last reduce-scatter beyond their overlap are exposed
+    assert big["zero_comm_s"] > 5 * small["zero_comm_s"]
     assert big["step_s"] / small["step_s"] > 0.85
     # per-layer exposure: at least what exceeds compute in total, never hidden as a whole
     assert big["zero_comm_s"] > 0.5 * big["compute_s"]

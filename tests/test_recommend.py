@@ -327,7 +327,9 @@ def test_a_request_mix_changes_the_answer(answer):
 def test_an_engine_adds_its_costs_to_every_candidate(answer):
     from stage_dse.config import load_engine
 
-    slow = ask_on("llama3_70b", engine=load_engine("vllm", step_overhead_us=3000))
+    slow = ask_on(
+        "llama3_70b", engine=load_engine("vllm", step_overhead_us=3000, request_overhead_us=0)
+    )
     agg = slow.aggregated
     assert set(agg["engine"]) == {"vllm"} and set(agg["step_overhead_s"]) == {0.003}
     assert set(agg["request_overhead_s"]) == {0.0}

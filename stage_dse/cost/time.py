@@ -91,6 +91,18 @@ import sympy as sp
 
 from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, derive
 from stage_dse.cost.expr import _max, _min, _sum, first_max_weights
+from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's kernel time)
+    ELEMENTWISE_KINDS,
+    _compute_time,
+    _fp8_quantized_numel,
+    _fusion_savings,
+    _gemm_min_dim,
+    _gemm_time,
+    _other_time,
+    gemm_mnk,
+    gemm_precision_weights,
+    touched_experts,
+)
 from stage_dse.cost.network import (
     collective_time,
     domain_collective_time,
@@ -101,10 +113,9 @@ from stage_dse.cost.network import (
 from stage_dse.cost.recompute import is_linear, recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
-from stage_dse.graph.transformer import DIMS
 from stage_dse.spec import MeshAxis, PipelineSchedule
 
 __all__ = [
@@ -116,156 +127,6 @@ __all__ = [
     "group_tiers",
     "pipeline_hop_time",
 ]
-
-ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, OpKind.EMBEDDING)
-
-
-# --------------------------------------------------------------------------- compute
-def _gemm_min_dim(op: Op) -> sp.Expr:
-    return _min(*gemm_mnk(op))
-
-
-def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
-    """(m, n, k) of an einsum on one GPU: the local extents of the axes only its left operand
-    and the output have, only its right operand and the output have, and the contracted ones
-    (forward ``tokens x out_features x in_features``; the weight gradient's m is the weight's
-    input dimension and its k the tokens)."""
-    a, b = op.inputs
-    (out,) = op.outputs
-    local = {
-        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
-        for ax, ms in zip(op.axes_iter, op.layout_iter)
-    }
-    in_a, in_b, in_o = set(a.axes), set(b.axes), set(out.axes)
-    m = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_o and ax not in in_b])
-    n = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_b and ax in in_o and ax not in in_a])
-    k = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_b and ax not in in_o])
-    return m, n, k
-
-
-def _fp8_quantized_numel(op: Op) -> sp.Expr:
-    """Elements an FP8 GEMM quantizes first: forward GEMMs their activation operand, input-
-    gradient GEMMs the incoming gradient; weight-gradient GEMMs reuse both (Transformer Engine
-    keeps the FP8 copies of the forward input and of the output gradient)."""
-    if op.phase is Phase.FORWARD:
-        return _sum(t.local_numel for t in op.inputs if t.role is not Role.WEIGHT)
-    if op.outputs[0].role is Role.ACTIVATION_GRAD:
-        return _sum(t.local_numel for t in op.inputs if t.role is Role.ACTIVATION_GRAD)
-    return sp.Integer(0)
-
-
-def gemm_precision_weights() -> tuple[sp.Expr, sp.Expr, sp.Expr]:
-    """0/1 weights (16-bit, 8-bit, 4-bit) of the tensor cores the linear GEMMs run on, from
-    ``gemm_bytes`` (2, 1 or below 0.75) in min/max arithmetic; exactly one of them is 1."""
-    w16 = _max(0, _min(1, S.gemm_bytes - 1))
-    w4 = _max(0, _min(1, 4 * (1 - S.gemm_bytes)))
-    return w16, 1 - w16 - w4, w4
-
-
-def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
-    """Seconds of one kernel: roofline, never below the kernel class's floor. ``saved_bytes``:
-    HBM traffic a fused element-wise op does not make; such an op runs inside its consumer's
-    kernel, so it pays no floor of its own."""
-    if op.kind is OpKind.EINSUM:
-        gemm, quantize = _gemm_time(op, saved_bytes)
-        return gemm + quantize
-    return _other_time(op, saved_bytes)
-
-
-def touched_experts(op: Op) -> sp.Expr | None:
-    """The share of a grouped expert GEMM's local experts that receive any token (None for
-    other einsums). With ``lambda`` tokens per expert on average (the op's local token slots
-    over the capacity factor) and routing spread evenly, an expert receives none with
-    probability ``(1 - top_k / E)^T``, about ``exp(-lambda)``; a grouped GEMM runs tiles only
-    for the experts that have tokens and reads only their weights. Near 1 at training and
-    prefill sizes; at small decode batches it is what keeps a 128-expert layer from being
-    charged 128 tiles and every expert's weights for a handful of tokens (uneven routing
-    touches fewer experts still: this is the upper bound)."""
-    if DIMS.capacity not in set(op.axes_iter):
-        return None
-    local = {
-        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
-        for ax, ms in zip(op.axes_iter, op.layout_iter)
-    }
-    tokens = local[DIMS.capacity] / S.capacity_factor
-    return 1 - sp.exp(-tokens)
-
-
-def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
-    """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds. A
-    grouped expert GEMM runs only its touched experts (:func:`touched_experts`): their
-    weights are read, their tiles hold the tokens of the touched experts."""
-    bandwidth = S.hbm_bandwidth * S.memory_efficiency
-    stream = (op.bytes - saved_bytes) / bandwidth
-    d = _gemm_min_dim(op)
-    touched = touched_experts(op)
-    if touched is not None:
-        weights = _sum(t.local_bytes for t in op.inputs if t.role is Role.WEIGHT)
-        stream = (op.bytes - saved_bytes - (1 - touched) * weights) / bandwidth
-        m, n, k = gemm_mnk(op)
-        # the token dimension (m forward and input-gradient, k weight-gradient) over the
-        # touched experts only
-        d = _min(m / touched, n, k) if op.phase is Phase.FORWARD else d
-    shape = d / (d + S.gemm_half_dim)
-    eff = S.gemm_efficiency * shape
-    peak = S.peak_flops
-    quantize = sp.Integer(0)
-    if is_linear(op):  # the tensor cores of the GEMM inputs' precision (gemm_bytes)
-        w16, w8, w4 = gemm_precision_weights()
-        peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
-        eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
-        eff = eff * shape
-        numel = _fp8_quantized_numel(op)
-        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
-            streamed = (2 + S.gemm_bytes) * numel
-            kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
-            quantize = (1 - w16) * kernel
-    gemm = _max(op.flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
-    gemm = gemm + S.kernel_launch_s
-    return gemm, quantize
-
-
-def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
-    bandwidth = S.hbm_bandwidth * S.memory_efficiency
-    stream = (op.bytes - saved_bytes) / bandwidth
-    if op.kind is OpKind.ATTENTION:
-        eff = S.attention_efficiency
-        executed = op.flops * op.executed_fraction
-        return (
-            _max(executed / (S.peak_flops * S.sustained_clock * eff), stream, S.attention_floor_s)
-            + S.kernel_launch_s
-        )
-    if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
-        if saved_bytes != 0:  # fused into its consumer
-            return stream
-        return _max(stream, S.elementwise_floor_s) + S.kernel_launch_s
-    return sp.Integer(0)
-
-
-def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
-    """HBM bytes each element-wise op does not move because it runs fused with its consumer.
-
-    An element-wise output consumed by exactly one element-wise op and not kept for backward
-    stays in registers: neither written nor read back (forward and backward alike).
-    """
-    fusible = (OpKind.ELEMENTWISE, OpKind.BIAS)
-    out: dict[Op, sp.Expr] = {}
-    for phase in (Phase.FORWARD, Phase.BACKWARD):
-        ops = [op for op in graph.ops if op.phase is phase]
-        consumers: dict[object, list[Op]] = defaultdict(list)
-        saved: set[object] = set()
-        for op in ops:
-            for t in op.inputs:
-                consumers[t].append(op)
-            saved.update(op.saved)
-        for op in ops:
-            if op.kind not in fusible:
-                continue
-            for t in op.outputs:
-                users = consumers.get(t, [])
-                if len(users) == 1 and users[0].kind in fusible and t not in saved:
-                    out[op] = out.get(op, sp.Integer(0)) + 2 * t.local_bytes
-    return out
 
 
 @dataclass(frozen=True)
