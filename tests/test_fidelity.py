@@ -127,7 +127,8 @@ def test_zero3_step_time_goes_flat_once_communication_dominates():
     assert big["compute_s"] / small["compute_s"] == pytest.approx(0.5, rel=0.05)
     # small: only the first gather and last reduce-scatter beyond their overlap are exposed
     assert big["zero_comm_s"] > 5 * small["zero_comm_s"]
-    assert big["step_s"] / small["step_s"] > 0.85
+    # far from the halving compute alone gives (0.5): the step barely shrinks
+    assert big["step_s"] / small["step_s"] > 0.8
     # per-layer exposure: at least what exceeds compute in total, never hidden as a whole
     assert big["zero_comm_s"] > 0.5 * big["compute_s"]
 
