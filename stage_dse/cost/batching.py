@@ -78,7 +78,7 @@ import pandas as pd
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching", "output_length_classes"]
+__all__ = ["continuous_batching", "output_length_classes", "request_classes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
@@ -501,8 +501,9 @@ def _column(table: pd.DataFrame, name: str) -> np.ndarray:
     return np.zeros(len(table))
 
 
-def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """Request classes ``(prompt, output_tokens, weight)``, weights normalised."""
+def request_classes(mix) -> list[tuple[float, float, float]]:
+    """A request mix ``[[prompt, output_tokens, weight], ...]`` checked, as
+    ``(prompt, output_tokens, weight)`` classes with the weights normalised."""
     classes = [tuple(float(x) for x in item) for item in mix]
     if not classes or any(len(c) != 3 for c in classes):
         raise ConfigError("serving.request_mix: give [[prompt, output_tokens, weight], ...]")
@@ -513,7 +514,12 @@ def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
                 f"got [{p:g}, {o:g}, {w:g}]"
             )
     total = sum(w for _, _, w in classes)
-    return [(np.full(n_rows, p), np.full(n_rows, o), w / total) for p, o, w in classes]
+    return [(p, o, w / total) for p, o, w in classes]
+
+
+def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """Request classes ``(prompt, output_tokens, weight)`` over the rows, weights normalised."""
+    return [(np.full(n_rows, p), np.full(n_rows, o), w) for p, o, w in request_classes(mix)]
 
 
 def _truncated_scale(mean: np.ndarray, cap: np.ndarray) -> np.ndarray:

@@ -24,6 +24,14 @@ def _gemm_min_dim(op: Op) -> sp.Expr:
     return _min(*gemm_mnk(op))
 
 
+def _local_extents(op: Op) -> dict:
+    """Each axis of ``op`` at its extent on one GPU (over the mesh axes that split it)."""
+    return {
+        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
+        for ax, ms in zip(op.axes_iter, op.layout_iter)
+    }
+
+
 def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     """(m, n, k) of an einsum on one GPU: the local extents of the axes only its left operand
     and the output have, only its right operand and the output have, and the contracted ones
@@ -31,10 +39,7 @@ def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     input dimension and its k the tokens)."""
     a, b = op.inputs
     (out,) = op.outputs
-    local = {
-        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
-        for ax, ms in zip(op.axes_iter, op.layout_iter)
-    }
+    local = _local_extents(op)
     in_a, in_b, in_o = set(a.axes), set(b.axes), set(out.axes)
     m = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_o and ax not in in_b])
     n = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_b and ax in in_o and ax not in in_a])
@@ -82,11 +87,7 @@ def touched_experts(op: Op) -> sp.Expr | None:
     touches fewer experts still: this is the upper bound)."""
     if DIMS.capacity not in set(op.axes_iter):
         return None
-    local = {
-        ax: ax.extent / sp.Mul(*[DEGREE[m] for m in ms])
-        for ax, ms in zip(op.axes_iter, op.layout_iter)
-    }
-    tokens = local[DIMS.capacity] / S.capacity_factor
+    tokens = _local_extents(op)[DIMS.capacity] / S.capacity_factor
     return 1 - sp.exp(-tokens)
 
 

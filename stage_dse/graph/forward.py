@@ -60,31 +60,15 @@ class ForwardOps(LayoutOps):
 
     def view(self, x: Tensor, axes: Sequence[Axis]) -> Tensor:
         """The same data indexed by other axes of equal extents (no copy, no cost)."""
-        out = Tensor(
-            name=x.name,
-            role=x.role,
-            axes=tuple(axes),
-            layout=x.layout,
-            dtype_bytes=x.dtype_bytes,
-            scope=self._scope,
-            partial=x.partial,
-        )
-        self._record(
-            Op(
-                kind=OpKind.VIEW,
-                name=f"view:{x.name}",
-                inputs=(x,),
-                outputs=(out,),
-                phase=Phase.FORWARD,
-                scope=self._scope,
-                region=self._region,
-            )
-        )
-        return out
+        return self._alias(x, axes, x.name, x.role, f"view:{x.name}")
 
     def select(self, name: str, x: Tensor, axes: Sequence[Axis], role: Role) -> Tensor:
         """Some rows of ``x`` (a top-k selection) that the op reading the result gathers in
         place: no copy, no cost of its own; the result aliases ``x``."""
+        return self._alias(x, axes, name, role, f"select:{x.name}")
+
+    def _alias(self, x: Tensor, axes, name: str, role: Role, op_name: str) -> Tensor:
+        """A view op: ``x``'s data under other axes, name and role."""
         out = Tensor(
             name=name,
             role=role,
@@ -97,7 +81,7 @@ class ForwardOps(LayoutOps):
         self._record(
             Op(
                 kind=OpKind.VIEW,
-                name=f"select:{x.name}",
+                name=op_name,
                 inputs=(x,),
                 outputs=(out,),
                 phase=Phase.FORWARD,

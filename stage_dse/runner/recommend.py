@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.batching import continuous_batching, request_classes
 from stage_dse.cost.disagg import disaggregated
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
@@ -167,17 +167,7 @@ def _lengths(prompt, output_tokens, mix):
     if mix:
         if prompt is not None or output_tokens is not None:
             raise ConfigError("recommend: give prompt and output_tokens or a request mix, not both")
-        classes = [tuple(float(x) for x in item) for item in mix]
-        if any(len(c) != 3 for c in classes):
-            raise ConfigError("serving.request_mix: give [[prompt, output_tokens, weight], ...]")
-        for p, o, w in classes:
-            if not (p >= 1 and o >= 1 and w > 0):
-                raise ConfigError(
-                    f"serving.request_mix: prompt and output_tokens must be >= 1 and weights "
-                    f"> 0, got [{p:g}, {o:g}, {w:g}]"
-                )
-        total = sum(w for _, _, w in classes)
-        classes = [(p, o, w / total) for p, o, w in classes]
+        classes = request_classes(mix)
         mean_p = sum(p * w for p, _, w in classes)
         mean_o = sum(o * w for _, o, w in classes)
         return classes, max(1, round(mean_p)), max(1, round(mean_o)), mean_o

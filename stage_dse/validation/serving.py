@@ -325,6 +325,7 @@ def evaluate_serving(
                 x["num_requests"] / r if x["mode"] == "burst" else 0.0 for x, r in zip(f, replicas)
             ]
             sub = table.iloc[sel].reset_index(drop=True)
+            spreads = [_output_lengths(x) for x in f]
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
@@ -334,8 +335,8 @@ def evaluate_serving(
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
-                output_lengths=np.array([_output_lengths(x)[0] for x in f], dtype=object),
-                max_total_tokens=np.array([_output_lengths(x)[1] for x in f], dtype=float),
+                output_lengths=np.array([s for s, _ in spreads], dtype=object),
+                max_total_tokens=np.array([cap for _, cap in spreads], dtype=float),
                 timing=timing,
             )
             cb.index = cont
