@@ -166,6 +166,60 @@ def test_the_kv_cache_caps_the_running_requests():
     assert big["cb_running"] * per_seq <= table["usable_memory"].iloc[0]
 
 
+GIB = 2.0**30
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+def test_each_engine_sizes_its_kv_pool_by_its_own_rule(engine):
+    from stage_dse.config import load_engine
+    from stage_dse.cost.batching import kv_pool_bytes
+
+    table, keys = serving_rows(model="qwen3_32b")
+    hbm = load_hardware("h100_sxm").hbm_bytes
+    spec = load_engine(engine)
+    base = continuous_batching(table, keys, 100_000, 8192).iloc[0]
+    ruled = table.assign(**spec.kv_pool_columns(hbm, 1))
+    got = continuous_batching(ruled, keys, 100_000, 8192).iloc[0]
+    weights = evaluate_serving_table(table, keys).iloc[0]["serve_weights_bytes"]
+    working = got["cb_working_bytes"]
+    free = table["usable_memory"].iloc[0] - weights - working
+    pool = {
+        # gpu_memory_utilization 0.9 of the GPU holds weights, activations and cache
+        "vllm": 0.9 * hbm - weights - working,
+        # SGLang leaves 9.5 GiB + 0.5 GiB per rank outside weights and cache on an 80 GB GPU
+        "sglang": hbm - 10.0 * GIB - weights,
+        # TensorRT-LLM: 0.9 of what is free after weights and activation buffers
+        "trtllm": 0.9 * free,
+    }[engine]
+    assert kv_pool_bytes(ruled, [weights], [working])[0] == pytest.approx(min(pool, free))
+    assert got["cb_kv_capacity_seqs"] < base["cb_kv_capacity_seqs"]
+    # a 32B model in bf16 on one 80 GB GPU: the engine's pool, not 80 GB less weights
+    per_seq = evaluate_serving_table(table, keys).iloc[0]["serve_kv_cache_bytes"]
+    assert got["cb_kv_capacity_seqs"] == np.floor(min(pool, free) / per_seq)
+
+
+def test_a_stated_memory_fraction_comes_from_the_record_or_its_command():
+    from stage_dse.config import load_engine
+    from stage_dse.validation.serving import stated_kv_memory_fraction
+
+    vllm, sglang = load_engine("vllm"), load_engine("sglang")
+    command = {"details": {"command": "vllm serve m -tp 8 --gpu-memory-utilization 0.85"}}
+    assert stated_kv_memory_fraction(command, vllm) == 0.85
+    assert stated_kv_memory_fraction(command, sglang) is None  # not SGLang's flag
+    assert stated_kv_memory_fraction({"kv_memory_fraction": 0.7, **command}, vllm) == 0.7
+    assert stated_kv_memory_fraction({"details": {"command": "vllm serve m"}}, vllm) is None
+    hbm = load_hardware("h100_sxm").hbm_bytes
+    stated = sglang.kv_pool_columns(hbm, 8, fraction=0.8)["engine_static_bytes"]
+    assert stated == pytest.approx(0.8 * hbm)
+    # the default reserve grows with the ranks and with DP attention
+    assert sglang.kv_pool_columns(hbm, 8)["engine_static_bytes"] == pytest.approx(hbm - 13.5 * GIB)
+    assert sglang.kv_pool_columns(hbm, 8, attention_dp=True)[
+        "engine_static_bytes"
+    ] == pytest.approx(hbm - 17.5 * GIB)
+    with pytest.raises(ConfigError, match="kv_memory_fraction"):
+        vllm.kv_pool_columns(hbm, 1, fraction=1.5)
+
+
 def test_a_larger_prefill_budget_shortens_ttft_when_prefill_bound():
     table, keys = serving_rows()
     ttft = [continuous_batching(table, keys, 256, c).iloc[0]["cb_ttft_s"] for c in (256, 512, 2048)]

@@ -62,7 +62,7 @@ plus queueing.
 
 * The KV cache caps ``R``: requests of ``P + O`` tokens that fit in the memory left after the
   weights and the working set of the widest step (``C`` tokens, or fewer when ``R`` prompts
-  are shorter).
+  are shorter), within the pool the engine sizes by its own rule (:func:`kv_pool_bytes`).
 
 With ``C = P`` and ``R = 1`` every step is a whole prefill or a single decode, and TTFT and
 TPOT are exactly the static batch-1 ones. One pipeline stage per replica (``pp = 1``).
@@ -78,7 +78,7 @@ import pandas as pd
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching", "output_length_classes", "request_classes"]
+__all__ = ["continuous_batching", "kv_pool_bytes", "output_length_classes", "request_classes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
@@ -203,11 +203,10 @@ def continuous_batching(
     widest_tokens = np.minimum(C, R * (np.maximum.reduce(prompts) + k + 1.0))
     widest = run(everyone, micro_batch=np.ones(n_rows), prompt=widest_tokens)
     per_seq = base["serve_kv_cache_bytes"].to_numpy() / np.maximum(R, 1.0)
-    usable = table["usable_memory"].to_numpy(float)
-    free = (
-        usable - base["serve_weights_bytes"].to_numpy() - widest["serve_working_bytes"].to_numpy()
+    pool = kv_pool_bytes(
+        table, base["serve_weights_bytes"].to_numpy(), widest["serve_working_bytes"].to_numpy()
     )
-    capacity = np.floor(np.maximum(free, 0.0) / per_seq)
+    capacity = np.floor(pool / per_seq)
     slots = np.minimum(R, capacity)
     ok = slots >= 1
     slots = np.where(ok, slots, 1.0)
@@ -495,10 +494,26 @@ def _at(lengths: dict, rows) -> dict:
     return {name: v[rows] for name, v in lengths.items()}
 
 
-def _column(table: pd.DataFrame, name: str) -> np.ndarray:
+def _column(table: pd.DataFrame, name: str, default: float = 0.0) -> np.ndarray:
     if name in table:
-        return table[name].to_numpy(float)
-    return np.zeros(len(table))
+        values = table[name].to_numpy(float)
+        return np.where(np.isnan(values), default, values)
+    return np.full(len(table), default)
+
+
+def kv_pool_bytes(table: pd.DataFrame, weights_bytes, working_bytes) -> np.ndarray:
+    """The KV-cache pool of each row's GPU: what the weights and the working set leave of the
+    usable memory, within the engine's bounds (columns from
+    :meth:`~stage_dse.spec.engine.EngineSpec.kv_pool_columns`; absent, no bound):
+    ``engine_memory_bytes`` holds weights, working set and cache (vLLM), ``engine_static_bytes``
+    weights and cache (SGLang), and the cache takes ``kv_free_fraction`` of what is left
+    (TensorRT-LLM)."""
+    weights = np.asarray(weights_bytes, float)
+    working = np.asarray(working_bytes, float)
+    free = table["usable_memory"].to_numpy(float) - weights - working
+    free = np.minimum(free, _column(table, "engine_memory_bytes", np.inf) - weights - working)
+    free = np.minimum(free, _column(table, "engine_static_bytes", np.inf) - weights)
+    return np.maximum(free, 0.0) * _column(table, "kv_free_fraction", 1.0)
 
 
 def request_classes(mix) -> list[tuple[float, float, float]]:

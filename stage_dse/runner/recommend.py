@@ -100,6 +100,12 @@ def sla_load(mu: np.ndarray, ttft0: np.ndarray, ttft_sla: float) -> np.ndarray:
     return mu * 2 * margin / (1 + 2 * margin)
 
 
+def _pool_columns(engine, hardware, ranks) -> dict[str, np.ndarray]:
+    """The engine's KV-pool bounds per layout row (tp x pp ``ranks``)."""
+    rows = [engine.kv_pool_columns(hardware.hbm_bytes, int(r)) for r in ranks]
+    return {name: np.array([row[name] for row in rows], float) for name in rows[0]} if rows else {}
+
+
 def running_limits(limit: float) -> tuple[int, ...]:
     """Running-request limits tried under ``limit`` (the engine's cap or the KV capacity,
     whichever is lower): powers of two from 8 below it, then ``limit`` itself (nothing when
@@ -250,6 +256,9 @@ def recommend(
         raise _none_buildable(model, tps, eps, rejected)
     table["step_overhead_s"] = engine.step_overhead_s
     table["request_overhead_s"] = engine.request_overhead_s
+    ranks = table["tp"].to_numpy() * table["pp"].to_numpy()
+    for name, values in _pool_columns(engine, hardware, ranks).items():
+        table[name] = values
     agg = _aggregated(table, keys, meta, cap, prefill_budgets, classes, measured)
     agg["load_per_replica"] = agg["ep"] * sla_load(
         agg["replica_requests_per_s"].to_numpy() / agg["ep"].to_numpy(),

@@ -147,6 +147,7 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "engine": spec.engine.name,
                 "step_overhead_s": spec.engine.step_overhead_s,
                 "request_overhead_s": spec.engine.request_overhead_s,
+                **spec.engine.kv_pool_columns(hw.hbm_bytes, tp * pp),
                 "clients": float(spec.clients) if continuous else np.nan,
                 "burst": float(spec.burst) if continuous else np.nan,
                 "output_lengths": spec.output_lengths if continuous else "",

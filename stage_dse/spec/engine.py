@@ -8,16 +8,34 @@ describe it: a fixed one per iteration and one per running request per iteration
 (``max_running``, ``prefill_budget``) are the engine's documented defaults, used where a
 measurement does not state its own. Profiles live in ``conf/engine/<name>.yaml`` with their
 citations; ``none`` adds nothing (the kernels alone).
+
+**KV-cache pool.** Engines do not give the cache all the memory the weights and the working
+set leave; each sizes it by its own rule (``kv_memory_rule``, with ``kv_memory_fraction``):
+
+* ``usable`` (no engine): everything the weights and the widest step's working set leave;
+* ``total_fraction`` (vLLM ``gpu_memory_utilization``, 0.9 by default: ``CacheConfig``): the
+  engine may use that fraction of the GPU's memory for weights, activations and cache; the
+  cache gets what the weights and the profiled peak activation leave of it;
+* ``static_reserve`` (SGLang ``mem_fraction_static``): weights and cache together take a
+  static fraction of the GPU's memory; unset, it is ``(gpu_mem - reserved) / gpu_mem`` with
+  ``reserved`` by GPU class (``python/sglang/srt/server_args.py``, ``ServerArgs.__post_init__``
+  of the 0.4.7-0.5 releases: 9.5 GiB + 0.5 GiB per tp x pp rank below 90 GiB, 12 GiB + 0.5 GiB
+  per rank below 160 GiB, 32 GiB above; 4 GiB more with DP attention); a stated
+  ``kv_memory_fraction`` is the static fraction itself;
+* ``free_fraction`` (TensorRT-LLM ``KvCacheConfig.free_gpu_memory_fraction``, 0.9 by default;
+  ``trtllm-bench --kv_cache_free_gpu_mem_fraction``): that fraction of the memory free after
+  the weights and the runtime's activation buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
 
-__all__ = ["EngineSpec"]
+__all__ = ["KV_MEMORY_RULES", "EngineSpec", "sglang_reserved_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +53,12 @@ class EngineSpec:
     """Largest decode batch captured in a CUDA graph (0: not stated); informational."""
     scheduling: str = ""
     """The scheduling policy in words (what runs first, what is chunked)."""
+    kv_memory_rule: str = "usable"
+    """How the engine sizes its KV-cache pool (module docstring): ``usable``,
+    ``total_fraction``, ``static_reserve`` or ``free_fraction``."""
+    kv_memory_fraction: float = 1.0
+    """The rule's fraction (``gpu_memory_utilization``, ``mem_fraction_static`` when stated,
+    ``free_gpu_memory_fraction``); unused by ``usable`` and by a default ``static_reserve``."""
 
     def __post_init__(self) -> None:
         for field in ("step_overhead_s", "request_overhead_s"):
@@ -47,9 +71,71 @@ class EngineSpec:
             v = getattr(self, field)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ConfigError(f"engine.{field} must be an integer >= 1, got {v!r}")
+        if self.kv_memory_rule not in KV_MEMORY_RULES:
+            raise ConfigError(
+                f"engine.kv_memory_rule must be one of {', '.join(KV_MEMORY_RULES)}, "
+                f"got {self.kv_memory_rule!r}"
+            )
+        v = self.kv_memory_fraction
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
+            raise ConfigError(
+                f"engine.kv_memory_fraction must be a fraction in (0, 1] (e.g. 0.9), got {v!r}"
+            )
         v = self.cuda_graph_max_batch
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             raise ConfigError(f"engine.cuda_graph_max_batch must be an integer >= 0, got {v!r}")
 
     def replace(self, **changes: object) -> EngineSpec:
         return dataclasses.replace(self, **changes)
+
+    def kv_pool_columns(
+        self,
+        hbm_bytes: float,
+        ranks: int,
+        attention_dp: bool = False,
+        fraction: float | None = None,
+    ) -> dict[str, float]:
+        """The table columns that bound the KV-cache pool of one GPU under this engine
+        (:func:`stage_dse.cost.batching.kv_pool_bytes` reads them): ``engine_memory_bytes``
+        (weights, working set and cache together at most), ``engine_static_bytes`` (weights
+        and cache together at most) and ``kv_free_fraction`` (the cache's share of what is
+        left). ``hbm_bytes``: the GPU's memory; ``ranks``: tp x pp of the replica;
+        ``fraction``: a stated fraction in place of the profile's."""
+        frac = self.kv_memory_fraction if fraction is None else float(fraction)
+        if not 0 < frac <= 1:
+            raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {frac:g}")
+        out = {
+            "engine_memory_bytes": math.inf,
+            "engine_static_bytes": math.inf,
+            "kv_free_fraction": 1.0,
+        }
+        if self.kv_memory_rule == "total_fraction":
+            out["engine_memory_bytes"] = frac * hbm_bytes
+        elif self.kv_memory_rule == "static_reserve":
+            if fraction is None:
+                frac = 1.0 - sglang_reserved_bytes(hbm_bytes, ranks, attention_dp) / hbm_bytes
+            out["engine_static_bytes"] = frac * hbm_bytes
+        elif self.kv_memory_rule == "free_fraction":
+            out["kv_free_fraction"] = frac
+        return out
+
+
+KV_MEMORY_RULES = ("usable", "total_fraction", "static_reserve", "free_fraction")
+
+_GIB = 2.0**30
+
+
+def sglang_reserved_bytes(hbm_bytes: float, ranks: int, attention_dp: bool = False) -> float:
+    """Memory SGLang keeps out of its static pool (weights and KV cache) when
+    ``mem_fraction_static`` is unset, for activations and CUDA-graph buffers: by GPU class
+    and ``tp x pp`` (``server_args.py`` of SGLang 0.4.7-0.5, thresholds on the memory in MiB)."""
+    gib = hbm_bytes / _GIB
+    if gib < 35:
+        reserved = 2.8 + ranks / 10
+    elif gib < 90:
+        reserved = 9.5 + ranks / 2
+    elif gib < 160:
+        reserved = 12 + ranks / 2
+    else:
+        reserved = 32.0
+    return (reserved + (4 if attention_dp else 0)) * _GIB

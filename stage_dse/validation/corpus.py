@@ -119,6 +119,7 @@ SERVING_FIELDS: dict[str, tuple] = {
     "num_requests": INT,
     "dataset": TEXT,
     "mode_note": TEXT,
+    "kv_memory_fraction": NUMBER,
 }
 REQUIRED = {
     "training": (

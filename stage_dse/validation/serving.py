@@ -119,9 +119,41 @@ def _row(case: Case):
             "engine": engine.name,
             "step_overhead_s": engine.step_overhead_s,
             "request_overhead_s": engine.request_overhead_s,
+            **engine.kv_pool_columns(
+                hw.hbm_bytes,
+                f["tp"] * pp,
+                attention_dp=bool(f.get("attention_dp")),
+                fraction=stated_kv_memory_fraction(f, engine),
+            ),
         }
     )
     return row, key
+
+
+_FRACTION_FLAGS = {
+    "total_fraction": "--gpu-memory-utilization",
+    "static_reserve": "--mem-fraction-static",
+    "free_fraction": "kv_cache_free_gpu_mem_fraction",
+}
+
+
+def stated_kv_memory_fraction(f: dict, engine: EngineSpec) -> float | None:
+    """The memory fraction a record states for its engine's KV-cache rule: its
+    ``kv_memory_fraction``, else the engine's flag in the serving command it quotes
+    (``--gpu-memory-utilization``, ``--mem-fraction-static``,
+    ``kv_cache_free_gpu_mem_fraction``); None where neither says (the engine's default)."""
+    if "kv_memory_fraction" in f:
+        return float(f["kv_memory_fraction"])
+    flag = _FRACTION_FLAGS.get(engine.kv_memory_rule)
+    command = str((f.get("details") or {}).get("command", ""))
+    if flag is None or flag not in command:
+        return None
+    words = command.replace("=", " ").replace(":", " ").split()
+    at = words.index(flag) if flag in words else -1
+    try:
+        return float(words[at + 1]) if at >= 0 else None
+    except (IndexError, ValueError):
+        return None
 
 
 def _layout(f: dict) -> tuple[int, int, int]:
