@@ -277,3 +277,24 @@ def test_tables_are_cached_in_compact_form_and_read_back_equal(tmp_path, monkeyp
     load_tables.cache_clear()
     assert set(load_tables("a100_sxm").gemm) == {"bf16"}
     load_tables.cache_clear()
+
+
+@needs_tables
+def test_measured_kernels_run_at_the_in_step_share_of_their_isolated_speed():
+    """measured_efficiency slows the table-timed GEMMs and attention of a training step (the
+    roofline ignores it); kernels outside the tables keep their roofline time."""
+    from stage_dse.cost.table import evaluate_table
+    from stage_dse.search import SearchSpace
+
+    space = SearchSpace(tp=(8,), pp=(1,), sequence_parallel=(False,), zero_stage=(1,))
+    table = _table("llama3_8b", "h100_sxm", "dgx_h100", 64, 4096, 256, space).iloc[:1]
+    assert table["measured_efficiency"].iloc[0] < 1  # the preset's fitted in-step share
+    at = {v: table.assign(measured_efficiency=v) for v in (1.0, 0.5)}
+    fast = evaluate_table(at[1.0], timing="measured").iloc[0]
+    slow = evaluate_table(at[0.5], timing="measured").iloc[0]
+    assert 0.5 < fast["measured_share"] <= 1
+    # the measured part of the compute doubles, the rest stays: the growth is that part
+    grown = slow["time_compute_s"] / fast["time_compute_s"] - 1
+    assert 0.5 < grown < 1
+    roof = [evaluate_table(t)["time_step_s"].iloc[0] for t in at.values()]
+    assert roof[0] == roof[1]

@@ -87,6 +87,8 @@ class HardwareConf:
     """Dense FP4 tensor-core peak (0: none; 4-bit weights run weight-only there, W4A16)."""
     sustained_clock: float = 1.0
     """Sustained tensor-core clock under the power limit, fraction of the datasheet's."""
+    measured_efficiency: float = 1.0
+    """timing=measured, training: share of an isolated measured kernel's throughput in a step."""
     hbm_gib: float = MISSING
     hbm_tb_s: float = MISSING
     memory_reserve_gib: float = 2.0

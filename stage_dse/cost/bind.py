@@ -96,6 +96,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "peak_fp8_flops": hardware.peak_fp8_flops,
         "peak_fp4_flops": hardware.peak_fp4_flops,
         "sustained_clock": hardware.sustained_clock,
+        "measured_efficiency": hardware.measured_efficiency,
         "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
         "gemm_efficiency": hardware.gemm_efficiency,
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,

@@ -239,10 +239,11 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
     if kernels is None:
         return _compute_time(op, saved)
     if op.kind is OpKind.EINSUM and is_linear(op):
-        # tables hold kernels measured at full clock: a power-limited part runs them at its
-        # sustained clock (the roofline fallback is handed over at full clock likewise)
+        # tables hold kernels measured in isolation at full clock: a power-limited part runs
+        # them at its sustained clock, and a step sustains a share of the isolated throughput
+        # (the roofline fallback is handed over on the tables' footing likewise)
         gemm, quantize = _gemm_time(op, saved)
-        clock = S.sustained_clock
+        clock = S.sustained_clock * S.measured_efficiency
         kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
         return kernels.time(kernel) / clock + quantize
     if op.kind is OpKind.ATTENTION:
@@ -252,7 +253,7 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         kv = sp.Mul(*[_local(k, i) for i in range(2, len(k.axes) - 1)])
         shape = (_local(q, 0), _local(q, 1), heads, kv, q.axes[-1].extent, _local(k, 1))
         scale = ATTENTION_BACKWARD_FACTOR if backward else sp.Integer(1)
-        clock = S.sustained_clock
+        clock = S.sustained_clock * S.measured_efficiency
         kernel = Kernel("attention", shape, _other_time(op, saved) * clock, scale)
         return kernels.time(kernel) / clock
     return _compute_time(op, saved)

@@ -103,6 +103,7 @@ class Symbols:
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
     peak_fp4_flops = sp.Symbol("peak_fp4_flops", nonnegative=True)
     sustained_clock = _real("sustained_clock")
+    measured_efficiency = _real("measured_efficiency")
     hbm_bandwidth = _real("hbm_bandwidth")
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
@@ -147,6 +148,7 @@ HARDWARE_SYMBOLS = (
     "peak_fp8_flops",
     "peak_fp4_flops",
     "sustained_clock",
+    "measured_efficiency",
     "hbm_bandwidth",
     "gemm_efficiency",
     "fp8_gemm_efficiency",

@@ -70,6 +70,14 @@ class HardwareSpec:
     sustained_clock: float = 1.0
     """Clock the tensor cores sustain under the part's power limit, as a fraction of the clock
     the datasheet peaks assume (1: no throttling). MFU stays against the datasheet peak."""
+    measured_efficiency: float = 1.0
+    """``timing=measured``, training: the share of a measured kernel's throughput (the tables
+    time one kernel in isolation: CUDA graphs, warm caches, the clock of a short run) the same
+    GEMM or attention kernel sustains inside a training step (clock under the power draw of
+    seconds of back-to-back kernels, caches and HBM shared with the kernels and collectives
+    around it); 1: as measured. Serving iterations are short CUDA-graph launches like the
+    tables' own and keep the measured times; the roofline's efficiencies are in-step figures
+    already and do not use it."""
     hbm_bytes: float
     """Device memory capacity, bytes."""
     hbm_bandwidth_bytes_per_s: float
@@ -108,6 +116,7 @@ class HardwareSpec:
             "attention_efficiency",
             "memory_efficiency",
             "sustained_clock",
+            "measured_efficiency",
         ):
             _fraction(owner, f, getattr(self, f))
         if not self.fp8_gemm_efficiency:
