@@ -133,6 +133,41 @@ def test_zero3_step_time_goes_flat_once_communication_dominates():
     assert big["zero_comm_s"] > 0.5 * big["compute_s"]
 
 
+def test_zero3_per_tensor_synchronized_step_stays_flat_as_gpus_double():
+    """Narayanan et al. SC21 Table 2: DeepSpeed's ZeRO-3 (2021) on GPT-3 175B at a global
+    batch of 1,536, one micro-batch per GPU, 384 -> 768 -> 1,536 A100s: the measured step
+    stays at 65-80 s while each GPU's compute halves. With per-tensor list-form collectives
+    (ring latency and one copy per rank, both growing with the group) and a device
+    synchronize at every module fetch, the flatness follows; with flat per-layer buffers under
+    the neighbouring layer's compute it does not."""
+    model = load_model("gpt3_175b")
+    training = TrainingSpec(seq_len=2048, global_batch_size=1536)
+    steps = {}
+    for per_tensor in (False, True):
+        for gpus in (384, 768, 1536):
+            plan = ParallelPlan(
+                dp=gpus,
+                zero_stage=3,
+                micro_batch_size=1536 // gpus,
+                recompute="full",
+                zero_sync_per_tensor=per_tensor,
+            )
+            cl = load_cluster("dgx_a100", num_gpus=gpus)
+            steps[per_tensor, gpus] = evaluate_plan(
+                model, training, plan, hardware=A100, cluster=cl
+            )
+    for gpus in (384, 768, 1536):  # the same work, never faster one tensor at a time
+        assert steps[True, gpus]["step_s"] > steps[False, gpus]["step_s"]
+        assert steps[True, gpus]["compute_s"] == pytest.approx(steps[False, gpus]["compute_s"])
+    bucketed = steps[False, 1536]["step_s"] / steps[False, 384]["step_s"]
+    per_tensor = steps[True, 1536]["step_s"] / steps[True, 384]["step_s"]
+    assert bucketed < 0.45  # compute-bound: a quarter of the work per GPU
+    assert per_tensor > 0.6  # the published 65 / 80 s = 0.82
+    # the exposed collectives grow with the group at a fixed per-GPU volume
+    zero = [steps[True, g]["zero_comm_s"] for g in (384, 768, 1536)]
+    assert zero[0] < zero[1] < zero[2]
+
+
 def test_zero3_first_gather_is_never_hidden():
     """Even far from communication-bound, each micro-batch waits for its first layer's gather
     and its last reduce-scatter."""

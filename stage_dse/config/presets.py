@@ -145,6 +145,7 @@ FRAMEWORK_FIELDS = (
     "tp_dgrad_overlap",
     "tp_comm_overlap",
     "ep_comm_overlap",
+    "zero_sync_per_tensor",
 )
 """Plan fields a framework profile (``conf/framework/<name>.yaml``) sets: what the framework
 does, not what the user chooses."""

@@ -228,6 +228,7 @@ class CostKey:
     tp_comm_overlap: bool = False
     tp_dgrad_overlap: bool = True
     ep_comm_overlap: bool = False
+    zero_sync_per_tensor: bool = False
 
 
 def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
@@ -241,6 +242,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         tp_comm_overlap=plan.tp_comm_overlap,
         tp_dgrad_overlap=plan.tp_dgrad_overlap,
         ep_comm_overlap=plan.ep_comm_overlap,
+        zero_sync_per_tensor=plan.zero_sync_per_tensor,
     )
 
 

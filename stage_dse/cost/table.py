@@ -81,6 +81,7 @@ PLAN_KEY_COLUMNS = (
     "tp_comm_overlap",
     "tp_dgrad_overlap",
     "ep_comm_overlap",
+    "zero_sync_per_tensor",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -120,6 +121,7 @@ def key_from_values(v: dict) -> CostKey:
         tp_comm_overlap=bool(v["tp_comm_overlap"]),
         tp_dgrad_overlap=bool(v["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(v["ep_comm_overlap"]),
+        zero_sync_per_tensor=bool(v.get("zero_sync_per_tensor", False)),
     )
 
 
@@ -190,6 +192,7 @@ def config_row(
             "tp_comm_overlap": plan.tp_comm_overlap,
             "tp_dgrad_overlap": plan.tp_dgrad_overlap,
             "ep_comm_overlap": plan.ep_comm_overlap,
+            "zero_sync_per_tensor": plan.zero_sync_per_tensor,
         }
     )
     return row

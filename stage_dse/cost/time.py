@@ -273,6 +273,24 @@ def _coll_time(coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet |
     return kernels.time(Kernel(coll.value, (size, n_in, n_out, intra), t))
 
 
+EAGER_COPY_S = 5e-6
+"""Host time of one small eagerly dispatched tensor copy (ATen dispatch and CUDA launch: a few
+microseconds, the per-op CPU cost CUDA graphs remove; PyTorch blog "Accelerating PyTorch with
+CUDA Graphs", 2021). A list-form collective issues one per rank, back to back."""
+
+
+def _per_tensor_time(op: Op, order, kernels: KernelSet | None) -> sp.Expr:
+    """One parameter tensor's own list-form collective (DeepSpeed 0.3's ZeRO-3 over
+    ``torch.distributed.all_gather`` / ``reduce_scatter`` with a tensor per rank): the NCCL
+    collective, and the copy of each rank's piece out of (all-gather) or into (reduce-scatter)
+    the flat buffer NCCL works on, one per rank (PyTorch ``ProcessGroupNCCL::allgather``
+    copies ``outputTensors[i][j]`` from the flattened output one by one), streaming the
+    buffer once besides."""
+    ranks = sp.Mul(*[DEGREE[a] for a in op.group])
+    copies = ranks * EAGER_COPY_S + 2 * op.comm_bytes / (S.hbm_bandwidth * S.memory_efficiency)
+    return _coll_time(op.coll, op.group, op.comm_bytes, order, kernels) + copies
+
+
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
     order = key.rank_order
     rerun = recomputed_ops(graph, key.recompute)
@@ -297,6 +315,9 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
                 name = "zero_fwd_comm"
             else:
                 name = "zero_bwd_comm"
+            if key.zero_sync_per_tensor and name in ("zero_fwd_comm", "zero_bwd_comm"):
+                acc[name].append(_per_tensor_time(op, order, kernels))
+                continue
             buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes
             continue
         if op.is_comm:
@@ -465,6 +486,8 @@ def _derive_time(key: CostKey, measured: bool):
             _sum([k * _hidden(sec.zero_bwd_comm, bcover(sec)) for sec, k in parts])
             + _min(blk.zero_bwd_comm, bcover(blk))
         )
+        if key.zero_sync_per_tensor:  # every module fetch synchronizes: nothing overlaps
+            zero = tot("zero_fwd_comm") + tot("zero_bwd_comm")
         # ZeRO-1/2 parameter gathers under the first micro-batch's forward, the same chain
         param_chain = gather_chain("param_gather_step")
         return {

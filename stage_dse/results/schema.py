@@ -52,7 +52,7 @@ BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "mla", "sliding_window",
-    "sparse_attention",
+    "sparse_attention", "zero_sync_per_tensor",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers",)
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""

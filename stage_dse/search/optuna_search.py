@@ -388,6 +388,7 @@ def _invalid_config(model, spec, hw, cluster, p: dict) -> dict:
             "tp_comm_overlap": spec.space.tp_comm_overlap,
             "tp_dgrad_overlap": spec.space.tp_dgrad_overlap,
             "ep_comm_overlap": spec.space.ep_comm_overlap,
+            "zero_sync_per_tensor": False,
         }
     )
     return row

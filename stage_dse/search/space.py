@@ -223,6 +223,7 @@ def enumerate_plans(
         "tp_comm_overlap": space.tp_comm_overlap,
         "tp_dgrad_overlap": space.tp_dgrad_overlap,
         "ep_comm_overlap": space.ep_comm_overlap,
+        "zero_sync_per_tensor": False,
         "num_gpus": n,
         "dp": n // (t_tp * t_pp * t_cp),
         "tp": t_tp,

@@ -130,6 +130,12 @@ class ParallelPlan:
     ep_comm_overlap: bool = False
     """Expert-parallel all-to-alls run under another micro-batch's compute (DeepSeek-V3's
     DualPipe, sec. 3.2.1); off, they sit on the critical path."""
+    zero_sync_per_tensor: bool = False
+    """ZeRO-3 as DeepSpeed ran it in 2021 (0.3.x): every parameter tensor is gathered and its
+    gradient reduce-scattered by its own list-form collective (``torch.distributed.all_gather``
+    and ``reduce_scatter`` over per-rank tensors: one copy per rank around each), and fetching a
+    module's parameters synchronizes the device, so none of it overlaps compute; off, each
+    layer's parameters move as one flat buffer under the neighbouring layer's compute."""
 
     def __post_init__(self) -> None:
         owner = "plan"
@@ -145,6 +151,7 @@ class ParallelPlan:
             "tp_comm_overlap",
             "tp_dgrad_overlap",
             "ep_comm_overlap",
+            "zero_sync_per_tensor",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")

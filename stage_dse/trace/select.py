@@ -108,6 +108,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         tp_comm_overlap=bool(row["tp_comm_overlap"]),
         tp_dgrad_overlap=bool(row["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(row["ep_comm_overlap"]),
+        zero_sync_per_tensor=bool(row.get("zero_sync_per_tensor", False)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
