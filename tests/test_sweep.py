@@ -88,11 +88,11 @@ def test_ray_retries_a_block_whose_worker_dies(tmp_path, ray_shutdown, monkeypat
     real = sweep_mod.evaluate_part
     marker = tmp_path / "died"
 
-    def dies_once(block, sweep, done=None, run_id=""):
+    def dies_once(block, *args):
         if block.start == 0 and not marker.exists():
             marker.touch()
             os._exit(1)
-        return real(block, sweep, done, run_id)
+        return real(block, *args)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", dies_once)
     executor = RayExecutor(num_cpus=2)
@@ -447,12 +447,12 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
     calls = {"n": 0, "failed_rows": 0}
     real = sweep_mod.evaluate_part
 
-    def flaky(block, sweep, done=None, run_id=""):
+    def flaky(block, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             calls["failed_rows"] = block.stop - block.start
             raise RuntimeError("worker exploded")
-        return real(block, sweep, done, run_id)
+        return real(block, *args)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", flaky)
     store = ResultStore(tmp_path / "e")

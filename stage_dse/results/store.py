@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -36,7 +36,7 @@ from stage_dse.results.schema import (
     empty_results,
 )
 
-__all__ = ["ResultStore", "encode_part", "new_run_id"]
+__all__ = ["ResultStore", "as_arrow", "encode_part", "new_run_id"]
 
 PART_GLOB = "part-*.parquet"
 LOCK_NAME = ".writer.lock"
@@ -78,6 +78,11 @@ def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="lz4", use_dictionary=text, write_statistics=False)
     return sink.getvalue().to_pybytes()
+
+
+def as_arrow(rows: pd.DataFrame) -> pa.Table:
+    """Result rows built as a DataFrame (error and invalid rows) as an Arrow table."""
+    return pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
 
 
 class ResultStore:
@@ -341,6 +346,40 @@ class ResultStore:
             skipped = self._set_aside(["config_hash"], log)
             table = _read([p for p in self.parts() if p not in skipped], ["config_hash"])
         return set(table.column("config_hash").to_pylist())
+
+    def row_count(self) -> int:
+        """Rows in the folder, from the part footers (no data page is read)."""
+        total = 0
+        for part in self.parts():
+            try:
+                total += pq.read_metadata(part).num_rows
+            except (OSError, pa.ArrowException):  # counted as not stored, as hashes() does
+                continue
+        return total
+
+    def scan(
+        self, columns: list[str], filters=None, batch_rows: int = 65_536
+    ) -> Iterator[pa.RecordBatch]:
+        """The rows matching ``filters`` (a ``pyarrow.dataset`` expression), ``columns`` only,
+        as record batches of at most ``batch_rows``: what a summary of stored rows needs, in
+        bounded memory (one part's matching rows at a time). A part that cannot be read is
+        quarantined when this process writes the folder, else skipped with a warning."""
+        bad: dict[Path, str] = {}
+        for part in self.parts():
+            try:  # one part at a time: a part is read whole or not at all
+                dataset = ds.dataset(str(part), format="parquet", schema=RESULT_SCHEMA)
+                batches = dataset.to_batches(columns=columns, filter=filters, batch_size=batch_rows)
+                batches = list(batches)
+            except (OSError, pa.ArrowException) as exc:
+                bad[part] = _reason(exc)
+                continue
+            yield from batches
+        if bad:
+            if self._lock_fd is not None:
+                self._quarantine(bad, lambda line: print(line, file=sys.stderr))
+            else:
+                for part, reason in bad.items():
+                    print(f"warning: skipped {part}, not readable ({reason})", file=sys.stderr)
 
     def read(self, columns: list[str] | None = None, filters=None) -> pd.DataFrame:
         """The rows as a DataFrame. A part that cannot be read (zero bytes, truncated, corrupt
