@@ -95,3 +95,22 @@ def test_rows_that_are_not_evaluated_are_counted_with_their_reason(status):
     assert summary.status == {status: 2}
     assert summary.reasons == {(status, "RuntimeError: boom"): 2}
     assert len(summary.candidates()) == 0 and len(summary.closest_misses()) == 0
+
+
+def test_stored_hashes_parse_and_match_as_integers():
+    """``config_hash`` strings read back as the integers they were written from; membership
+    is a binary search over the sorted stored values."""
+    from stage_dse.results.schema import hex_hashes
+    from stage_dse.results.store import among, hash_values
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2**63, 1000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    text = pa.array(hex_hashes(values).astype(str))
+    assert (hash_values(text) == values).all()
+    assert (hash_values(pa.chunked_array([text.slice(0, 10), text.slice(10)])) == values).all()
+    odd = hash_values(pa.array(["not-a-hash", None, "0123456789ABCDEF", "00000000000000ff"]))
+    assert list(odd[:3]) == [2**64 - 1] * 3 and odd[3] == 255
+    stored = np.unique(values[::2])
+    hit = among(values, stored)
+    assert hit[::2].all() and not hit[1::2].any()
+    assert not among(values, np.zeros(0, np.uint64)).any()

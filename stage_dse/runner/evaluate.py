@@ -27,7 +27,7 @@ from stage_dse.results.schema import (
     config_hash_u64,
     hex_hashes,
 )
-from stage_dse.results.store import encode_part
+from stage_dse.results.store import among, encode_part
 from stage_dse.runner.aggregate import RunSummary
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
@@ -171,7 +171,7 @@ def evaluate_block(
     plans = block_plans(block)
     hashes = config_hash_u64(plans)
     if done is not None and len(done):
-        keep = ~np.isin(hashes, done)
+        keep = ~among(hashes, done)
         plans, hashes = plans.take(keep), hashes[keep]
     if len(plans) == 0:
         return RESULT_SCHEMA.empty_table()

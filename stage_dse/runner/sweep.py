@@ -3,6 +3,12 @@
 What lives here: :func:`run_grid` (exhaustive search over a
 :class:`~stage_dse.spec.sweep.SweepSpec`) and the summary a user sees. It is the only code that
 writes results. It takes an executor, so the same sweep runs in-process or on Ray.
+
+The summary is never computed by reading the dataset back: each task sends, with its encoded
+part, the partial aggregates of its rows (:mod:`stage_dse.runner.aggregate`), which the driver
+merges; a resumed sweep adds the rows it reused by a scan of the folder filtered on their
+``config_hash`` and projected to the summary's columns. The driver's memory is then a few
+blocks, whatever the sweep's size.
 """
 
 from __future__ import annotations
@@ -17,14 +23,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from stage_dse.results.schema import config_hash_u64, hex_hashes
-from stage_dse.results.store import ResultStore, as_arrow, new_run_id
+from stage_dse.results.schema import config_hash_u64
+from stage_dse.results.store import ResultStore, among, as_arrow, new_run_id
 from stage_dse.runner.aggregate import SUMMARY_COLUMNS, TIE_REL, RunSummary
 from stage_dse.runner.evaluate import (
     Block,
     block_configs,
     block_plans,
-    done_hashes,
     error_rows,
     evaluate_part,
 )
@@ -136,12 +141,15 @@ def run_grid(
     log: Callable[[str], None] = print,
     top_k: int = 10,
 ) -> SweepReport:
-    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per batch.
+    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per block.
 
     The driver only counts (printed before anything is evaluated) and cuts each enumeration into
-    blocks of ``batch_size`` rows; each executor task rebuilds its block, hashes it, drops rows
-    already stored, evaluates the rest and returns them encoded as one Parquet part, which the
-    driver writes atomically from a background thread.
+    blocks as it goes: ``batch_size`` rows in this process, on Ray as many as the measured rate
+    asks for (:meth:`~stage_dse.runner.executors.RayExecutor.block_rows`). Each executor task
+    rebuilds its block, hashes it, drops rows already stored, evaluates the rest and returns
+    them encoded as one Parquet part with their summary partial (the ``top_k`` best kept),
+    which the driver writes atomically from a background thread and merges into
+    ``report.summary``.
     """
     replaced = store.prepare(log)
     try:
@@ -251,18 +259,11 @@ def _cut(ranges: list[Block], executor: Executor, batch_size: int, cut: dict) ->
 
 def _stored_rows(store: ResultStore, hashes: list[np.ndarray], summary: RunSummary) -> None:
     """Add the stored rows of these configurations (a resumed sweep) to ``summary``: a scan of
-    the folder filtered by ``config_hash``, projected to the summary's columns."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-
+    the folder filtered on their ``config_hash``, projected to the summary's columns."""
     wanted = np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
-    if not len(wanted):
-        return
-    n = len(wanted)
-    offsets = np.arange(0, 16 * (n + 1), 16, dtype=np.int32)
-    keys = pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(hex_hashes(wanted)))
-    for batch in store.scan(list(SUMMARY_COLUMNS), ds.field("config_hash").isin(keys)):
-        summary.add(batch, reused=True)
+    if len(wanted):
+        for batch in store.scan(list(SUMMARY_COLUMNS), hashes=wanted):
+            summary.add(batch, reused=True)
 
 
 def _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k) -> SweepReport:
@@ -274,24 +275,23 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k)
     report.summary = RunSummary(top_k=top_k)
     if replaced:
         log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
-    done = frozenset(store.hashes(log))
+    stored = store.hash_values(log)  # sorted uint64
     blocks = _blocks(spec, report, batch_size)
     rejected_total = sum(report.rejected.values())
     log(
         f"sweep {spec.name}: {report.valid:,} valid plans of {report.candidates:,} candidates "
         f"({rejected_total:,} rejected by divisibility rules, enumerated in "
-        f"{time.perf_counter() - t0:.2f} s); {len(done):,} rows already in {store.root}"
+        f"{time.perf_counter() - t0:.2f} s); {len(stored):,} rows already in {store.root}"
     )
     reused: list[np.ndarray] = []
-    if done and blocks:
+    if len(stored) and blocks:
         # a resumed sweep: blocks whose every configuration is stored need no worker (and a
         # sweep with nothing left starts no Ray); the stored rows of this sweep's
         # configurations are summarized from the folder
-        stored = done_hashes(done)
         todo = []
         for b in blocks:
             hashes = config_hash_u64(block_plans(b))
-            hit = np.isin(hashes, stored)
+            hit = among(hashes, stored)
             if hit.any():
                 reused.append(hashes[hit])
             if not hit.all():
@@ -308,7 +308,7 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k)
         log(f"  evaluating up to {left:,} plans on {report.runner}")
         _start_and_compile(executor, keys, left, log)
     bar = _progress(report.valid, progress)
-    shared_done = executor.share(done_hashes(done)) if done and blocks else None
+    shared_done = executor.share(stored) if len(stored) and blocks else None
     cut: dict[int, Block] = {}
     tasks = (
         (bid, (b, spec.name, shared_done, report.run_id, top_k))
@@ -320,7 +320,7 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k)
             block = cut.pop(bid)
             if isinstance(result, BaseException):
                 configs = block_configs(block)
-                configs = configs[~configs["config_hash"].isin(done).to_numpy()]
+                configs = configs[~among(config_hash_u64(block_plans(block)), stored)]
                 message = f"{type(result).__name__}: {result}"
                 rows = error_rows(configs, message, spec.name, report.run_id)
                 pending.append(writer.submit(store.write, rows))
