@@ -172,10 +172,10 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cwd = tempfile.mkdtemp(prefix="stage_dse_bench_cwd_")
     if args.repeat < 1:  # --repeat 0 --ray: the Ray comparison only
         _ray_vs_local()
         return
+    cwd = tempfile.mkdtemp(prefix="stage_dse_bench_cwd_")
     _bare(cwd)  # fills the compile cache: both runs below load the same families from disk
     ratios, cli_cpu, bare_cpu, rss, eval_cpu = [], [], [], [], []
     plans = 0
