@@ -307,21 +307,71 @@ def test_auto_runner_evaluates_small_sweeps_in_process_and_says_why(tmp_path, ca
 
     run(compose([f"results_dir={tmp_path}", "runner.progress=false", "num_gpus=[16]"]))
     out = capsys.readouterr().out
-    assert "runner: local (runner=auto: " in out and "< 300,000: faster than starting Ray" in out
+    assert "runner: local (runner=auto: " in out
+    assert "all evaluated here while measuring their cost" in out and "us per plan" in out
     import ray
 
     assert not ray.is_initialized()
 
 
-def test_auto_runner_picks_ray_for_large_runs_and_for_a_cluster_address():
-    from stage_dse.runner.executors import AUTO_RAY_MIN_PLANS, AutoExecutor, RayExecutor
+def test_auto_runner_projects_from_the_measured_cost_and_the_cores(monkeypatch):
+    """Ray pays only when its start and its extra CPU per plan are repaid by the cores: never
+    on one core, past some 22 s of work here on two (a million plans at ~5 us stay here),
+    sooner on many; a cluster address is always Ray."""
+    from stage_dse.runner.executors import (
+        RAY_CPU_FACTOR,
+        RAY_START_S,
+        AutoExecutor,
+        LocalExecutor,
+        RayExecutor,
+        ray_projection,
+    )
 
-    big = AutoExecutor()
-    assert big.choose(AUTO_RAY_MIN_PLANS).startswith("ray (runner=auto: ")
-    assert isinstance(big.inner, RayExecutor) and big.inner._ray is None  # chosen, not started
+    here, ray = ray_projection(1_000_000, 5e-6, cores=2)
+    assert here == pytest.approx(5.0)
+    assert ray == pytest.approx(RAY_START_S + 5.0 * RAY_CPU_FACTOR / 2) and ray > here
+    one = ray_projection(10**9, 5e-6, cores=1)
+    assert one[1] > one[0]  # one core: Ray only adds
+    two = ray_projection(10_000_000, 5e-6, cores=2)
+    assert two[1] < two[0]  # 50 s of work: Ray's second core repays its start
+    many = ray_projection(2_000_000, 5e-6, cores=16)
+    assert many[1] < many[0]
+
+    auto = AutoExecutor(num_cpus=2)
+    assert auto.choose(10**7).startswith("local (runner=auto: 10,000,000 plans: in this process")
+    assert isinstance(auto.inner, LocalExecutor)
+    auto.observe(100_000, 0.4)
+    auto.observe(100_000, 0.4)  # 4 us per plan: 9.8M plans left, 39 s here, ~36 s on Ray
+    started = []
+    monkeypatch.setattr(RayExecutor, "start", lambda self: started.append(self) or "Ray")
+    assert auto._decide() and isinstance(auto.inner, RayExecutor) and started
+    assert "switched to Ray after 200,000: 4.0 us per plan" in auto.describe()
+
+    stays = AutoExecutor(num_cpus=2)
+    stays.choose(1_000_000)
+    stays.observe(100_000, 0.4)
+    stays.observe(100_000, 0.4)
+    assert not stays._decide() and isinstance(stays.inner, LocalExecutor)
+    assert "the 800,000 left 3.2 s here vs ~7.1 s on Ray with 2 CPUs" in stays.describe()
+
     joined = AutoExecutor(address="ray://head:10001")
     assert "runner.address=ray://head:10001 given" in joined.choose(10)
     assert isinstance(joined.inner, RayExecutor)
+
+
+def test_ray_block_rows_follow_the_measured_rate():
+    from stage_dse.runner.executors import RAY_BLOCK_ROWS, RayExecutor
+
+    ex = RayExecutor()
+    assert ex.block_rows(20_000, 10**6) == 20_000  # nothing measured (and not started)
+    ex._ray, ex._num_cpus = object(), 2  # as if started, two CPUs
+    ex.observe(50_000, 1.0)  # 50k plans per CPU-second: one second of work per task
+    assert ex.block_rows(20_000, 10**6) == 50_000
+    assert ex.block_rows(20_000, 60_000) == 15_000  # two tasks per CPU for what is left
+    assert ex.block_rows(20_000, 100) == RAY_BLOCK_ROWS[0]
+    ex.observe(10**7, 1.0)
+    assert ex.block_rows(20_000, 10**9) == RAY_BLOCK_ROWS[1]
+    assert "blocks of 5,000 to 100,000 rows" in ex.describe()
 
 
 @pytest.mark.parametrize("damage", ["empty", "pages:step_s"])

@@ -88,11 +88,11 @@ def test_ray_retries_a_block_whose_worker_dies(tmp_path, ray_shutdown, monkeypat
     real = sweep_mod.evaluate_part
     marker = tmp_path / "died"
 
-    def dies_once(block, sweep, done=None, run_id=""):
+    def dies_once(block, *args):
         if block.start == 0 and not marker.exists():
             marker.touch()
             os._exit(1)
-        return real(block, sweep, done, run_id)
+        return real(block, *args)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", dies_once)
     executor = RayExecutor(num_cpus=2)
@@ -447,12 +447,12 @@ def test_error_rows_when_a_batch_fails(tmp_path, monkeypatch):
     calls = {"n": 0, "failed_rows": 0}
     real = sweep_mod.evaluate_part
 
-    def flaky(block, sweep, done=None, run_id=""):
+    def flaky(block, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             calls["failed_rows"] = block.stop - block.start
             raise RuntimeError("worker exploded")
-        return real(block, sweep, done, run_id)
+        return real(block, *args)
 
     monkeypatch.setattr(sweep_mod, "evaluate_part", flaky)
     store = ResultStore(tmp_path / "e")
@@ -590,3 +590,33 @@ def test_top_table_marks_ties_and_lists_more_headroom_first(tmp_path):
     assert list(top_table(ok, 2)["tie"]) == ["", "2="]  # the group's best by headroom
     apart = ok.assign(step_s=[1.0, 1.1, 1.2, 1.3, 1.4])
     assert "tie" not in top_table(apart, 5).columns
+
+
+def test_auto_moves_the_rest_of_a_run_to_ray_when_the_projection_says_so(
+    tmp_path, ray_shutdown, monkeypatch
+):
+    """With Ray's start and extra CPU per plan projected as free, runner=auto measures two
+    blocks here and evaluates the rest on Ray (the stored hashes of a resumed run travel
+    through the object store): every configuration is stored once, and the summary says
+    where and why."""
+    import stage_dse.runner.executors as ex
+
+    monkeypatch.setattr(ex, "RAY_START_S", 0.0)
+    monkeypatch.setattr(ex, "RAY_CPU_FACTOR", 0.01)
+    monkeypatch.setattr(ex, "AUTO_MEASURE_CPU_S", 0.0)
+    store = ResultStore(tmp_path / "a")
+    run_grid(small_spec(gpus=(16,)), LocalExecutor(), store, batch_size=300, progress=False)
+    executor = ex.AutoExecutor(num_cpus=2)
+    try:
+        report = run_grid(small_spec(), executor, store, batch_size=300, progress=False)
+    finally:
+        executor.close()
+    df = load(store.root)
+    assert isinstance(executor.inner, ex.RayExecutor)
+    assert (
+        report.runner.startswith("ray (runner=auto: ")
+        and "switched to Ray after 600" in report.runner
+    )
+    assert len(df) == report.valid and df["config_hash"].is_unique
+    assert report.summary.rows == report.valid and report.summary.reused > 0
+    pd.testing.assert_frame_equal(top_table(report.summary.candidates(), 10), top_table(df, 10))

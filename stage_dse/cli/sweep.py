@@ -73,9 +73,9 @@ def _rows_of_run(
     return rows
 
 
-def _print_outcomes(store, df, report, rejected_title: str, repeats=()) -> None:
+def _print_outcomes(store, folder_rows: int, report, rejected_title: str, repeats=()) -> None:
     print(
-        f"\nresults: {store.root} ({len(df):,} rows; this run, {report.run_id}, evaluated "
+        f"\nresults: {store.root} ({folder_rows:,} rows; this run, {report.run_id}, evaluated "
         f"{report.evaluated:,} in {report.seconds:.1f} s)"
     )
     if repeats:
@@ -188,7 +188,7 @@ def run(cfg: DictConfig) -> int:
     """One Hydra job: the whole sweep; returns the number of rows evaluated."""
     from stage_dse.results.store import ResultStore
     from stage_dse.runner.executors import make_executor
-    from stage_dse.runner.sweep import TIE_REL, run_grid, top_table
+    from stage_dse.runner.sweep import run_grid
 
     check_top_level(cfg)
     check_run_options(cfg)
@@ -217,6 +217,7 @@ def run(cfg: DictConfig) -> int:
                 store,
                 batch_size=cfg.runner.batch_size,
                 progress=cfg.runner.progress,
+                top_k=cfg.top_k,
             )
     finally:
         executor.close()
@@ -227,8 +228,14 @@ def run(cfg: DictConfig) -> int:
             f"{rules or 'no candidates'}; widen the plan axes or change the model, GPU counts "
             "or batch"
         )
-    df = store.read()
-    _print_outcomes(store, df, report, "plans rejected before evaluation, by rule:", repeats)
+    if search is None:
+        _grid_summary(cfg, spec, store, report, repeats)
+    else:
+        _optuna_summary(cfg, spec, search, store, report, repeats)
+    return report.evaluated
+
+
+def _print_run_notes(cfg, spec, search, measured_share) -> None:
     _print_memory_basis(spec, search)
     if cfg.mode == "budget" and cfg.budget.max_gpus is not None:
         print(
@@ -238,18 +245,96 @@ def run(cfg: DictConfig) -> int:
         )
     if spec.timing == "measured":
         _print_tables_note(spec.hardware)
-        ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
-        if len(ok):
-            share = float(ok["measured_share"].median())
+        if measured_share is not None:
             print(
-                f"timing: measured kernel tables for {share:.0%} of the step time (median over "
-                "this run's plans), roofline for the rest"
+                f"timing: measured kernel tables for {measured_share:.0%} of the step time "
+                "(median over this run's plans), roofline for the rest"
             )
+
+
+def _grid_summary(cfg, spec, store, report, repeats) -> None:
+    """The summary of a grid sweep, from what the run aggregated as its rows streamed by
+    (:class:`stage_dse.runner.aggregate.RunSummary`): the dataset is not read back."""
+    summary = report.summary
+    _print_outcomes(
+        store, report.folder_rows, report, "plans rejected before evaluation, by rule:", repeats
+    )
+    _print_run_notes(cfg, spec, None, summary.median_measured_share())
+    if summary.rows < report.folder_rows:
+        print(
+            f"(summary over the {summary.rows:,} rows of this run's configurations; "
+            f"{report.folder_rows - summary.rows:,} other rows in the folder are not shown)"
+        )
+    if summary.reused:
+        from stage_dse.results.schema import RESULT_SCHEMA
+        from stage_dse.runner.aggregate import SUMMARY_COLUMNS
+
+        print(
+            f"({summary.reused:,} of the {summary.rows:,} were evaluated by earlier runs and "
+            "reused: their stored values read by a scan filtered on their config_hash, "
+            f"{len(SUMMARY_COLUMNS)} of {len(RESULT_SCHEMA)} columns)"
+        )
+    rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
+    best = summary.best_per_group()
+    if len(best) > 1:
+        from stage_dse.runner.sweep import top_table
+
+        table = top_table(best, len(best))
+        table = table.drop(columns=["tie"], errors="ignore")  # bests of different groups
+        table = table.sort_values(["model", "hardware", "gpus"], kind="stable")
+        print("\nfastest feasible plan per model, hardware and GPU count:")
+        print(table.to_string(index=False))
+    _print_top(cfg, summary.candidates(rank_by), rank_by)
+    if cfg.mode == "budget":
+        _print_misses(summary.closest_misses())
+
+
+def _print_top(cfg, rows, rank_by: str) -> None:
+    from stage_dse.runner.sweep import TIE_REL, top_table
+
+    top = top_table(rows, cfg.top_k, by=rank_by)
+    label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
+    print(f"\ntop {len(top)} {label} feasible plans:")
+    print(top.to_string(index=False) if len(top) else "  none fits")
+    if "tie" in top.columns:
+        what = "GPU-seconds" if rank_by == "gpu_seconds" else "step times"
+        print(
+            f"tie: {what} within {TIE_REL:.1%} of each other share a rank (far below the "
+            "model's error); among them, more memory headroom is listed first"
+        )
+
+
+def _print_misses(miss) -> None:
+    """The closest plans that do not fit (``mode=budget``), least memory short first."""
+    if not len(miss):
+        return
+    miss = miss.assign(short_gib=-miss["mem_headroom_bytes"] / GIB)
+    miss = miss.sort_values(["short_gib", "step_s"]).head(5)
+    print("\nclosest plans that do not fit:")
+    for r in miss.itertuples():
+        print(
+            f"  gpus={r.num_gpus} dp={r.dp} tp={r.tp} pp={r.pp} cp={r.cp} "
+            f"mbs={r.micro_batch} zero={r.zero_stage} recompute={r.recompute}: "
+            f"needs {r.mem_total_bytes / GIB:.1f} GiB, misses by {r.short_gib:.2f} GiB "
+            f"({-r.mem_headroom_bytes:,.0f} bytes)"
+        )
+
+
+def _optuna_summary(cfg, spec, search, store, report, repeats) -> None:
+    """The summary of an Optuna study (a few thousand trials at most): this run's
+    configurations read back from the folder."""
+    df = store.read()
+    _print_outcomes(store, len(df), report, "plans rejected before evaluation, by rule:", repeats)
+    share = None
+    if spec.timing == "measured":
+        ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
+        share = float(ok["measured_share"].median()) if len(ok) else None
+    _print_run_notes(cfg, spec, search, share)
     if report.trial_states:
         print("optuna trials by state:")
         print(_fmt_counter(report.trial_states))
-    hardware = [hw.name for hw in (*spec.hardware, *(search.hardware if search else ()))]
-    gpus = {*spec.gpu_counts, *(search.gpus if search else ())}
+    hardware = [hw.name for hw in (*spec.hardware, *search.hardware)]
+    gpus = {*spec.gpu_counts, *search.gpus}
     df = _rows_of_run(
         df,
         "training",
@@ -262,40 +347,20 @@ def run(cfg: DictConfig) -> int:
         spec.timing,
     )
     rank_by = cfg.budget.rank_by if cfg.mode == "budget" else "step_s"
-    if search is not None and len(search.objectives) > 1:
+    if len(search.objectives) > 1:
         # a multi-objective study answers with its Pareto front, not one ranking
         from stage_dse.results.analysis import pareto
+        from stage_dse.runner.sweep import top_table
 
         scored = df.assign(gpu_seconds=df["step_s"] * df["num_gpus"])
         front = pareto(scored, list(search.objectives))
         table = top_table(front, len(front))
         print(f"\nPareto front over {', '.join(search.objectives)} ({len(table)} plans):")
         print(table.to_string(index=False) if len(table) else "  none fits")
-        return report.evaluated
-    top = top_table(df, cfg.top_k, by=rank_by)
-    label = "cheapest (GPU-seconds per step)" if rank_by == "gpu_seconds" else "fastest"
-    print(f"\ntop {len(top)} {label} feasible plans:")
-    print(top.to_string(index=False) if len(top) else "  none fits")
-    if "tie" in top.columns:
-        what = "GPU-seconds" if rank_by == "gpu_seconds" else "step times"
-        print(
-            f"tie: {what} within {TIE_REL:.1%} of each other share a rank (far below the "
-            "model's error); among them, more memory headroom is listed first"
-        )
+        return
+    _print_top(cfg, df, rank_by)
     if cfg.mode == "budget":
-        miss = df[df["status"] == "infeasible"].copy()
-        if len(miss):
-            miss["short_gib"] = -miss["mem_headroom_bytes"] / GIB
-            miss = miss.sort_values(["short_gib", "step_s"]).head(5)
-            print("\nclosest plans that do not fit:")
-            for r in miss.itertuples():
-                print(
-                    f"  gpus={r.num_gpus} dp={r.dp} tp={r.tp} pp={r.pp} cp={r.cp} "
-                    f"mbs={r.micro_batch} zero={r.zero_stage} recompute={r.recompute}: "
-                    f"needs {r.mem_total_bytes / GIB:.1f} GiB, misses by {r.short_gib:.2f} GiB "
-                    f"({-r.mem_headroom_bytes:,.0f} bytes)"
-                )
-    return report.evaluated
+        _print_misses(df[df["status"] == "infeasible"])
 
 
 def _print_memory_basis(spec, search) -> None:
@@ -327,7 +392,7 @@ def _run_serving(cfg: DictConfig, repeats=()) -> int:
     store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
     report = run_serving(spec, store, timing=timing)
     df = store.read()
-    _print_outcomes(store, df, report, "configurations rejected, by rule:", repeats)
+    _print_outcomes(store, len(df), report, "configurations rejected, by rule:", repeats)
     if timing == "measured":
         _print_tables_note(spec.hardware)
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
@@ -454,7 +519,7 @@ main options:
   mode=sweep|budget|recommend budget: budget.memory_gib, budget.max_gpus, budget.rank_by
   timing=roofline|measured    measured: kernel tables of the 'measured' extra where they reach
   search=grid|optuna          optuna: search.n_trials, search.objectives=[step_s,num_gpus]
-  runner=auto|local|ray       auto: in-process below 300,000 plans, else Ray
+  runner=auto|local|ray       auto: in-process unless the measured cost per plan says Ray is sooner
   runner.address=HOST:PORT    evaluate on an existing Ray cluster (RAY_AUTH_MODE=token: README)
   sweep_name=NAME results_dir=DIR top_k=10 replace_stale=true
 

@@ -17,9 +17,10 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute
@@ -36,7 +37,7 @@ from stage_dse.results.schema import (
     empty_results,
 )
 
-__all__ = ["ResultStore", "encode_part", "new_run_id"]
+__all__ = ["ResultStore", "among", "as_arrow", "encode_part", "hash_values", "new_run_id"]
 
 PART_GLOB = "part-*.parquet"
 LOCK_NAME = ".writer.lock"
@@ -50,6 +51,47 @@ def _reason(exc: BaseException) -> str:
 def _read(parts: list[Path], columns: list[str] | None = None, filters=None) -> pa.Table:
     dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
     return dataset.to_table(columns=columns, filter=filters)
+
+
+_NIBBLE = np.full(256, 255, dtype=np.uint8)
+_NIBBLE[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint8)
+
+
+def hash_values(hashes: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """``config_hash`` strings (16 lower-case hex digits) as uint64, vectorized; a string of
+    another form maps to no stored hash (``2**64 - 1``)."""
+    arr = hashes.combine_chunks() if isinstance(hashes, pa.ChunkedArray) else hashes
+    arr = arr.cast(pa.string())
+    n = len(arr)
+    out = np.full(n, np.iinfo(np.uint64).max, dtype=np.uint64)
+    if n == 0:
+        return out
+    offsets = np.frombuffer(arr.buffers()[1], np.int32)[arr.offset : arr.offset + n + 1]
+    data = np.frombuffer(arr.buffers()[2], np.uint8)
+    regular = (np.diff(offsets) == 16) & ~np.asarray(arr.is_null(), dtype=bool)
+    if not regular.any():
+        return out
+    starts = offsets[:-1][regular]
+    digits = _NIBBLE[data[starts[:, None] + np.arange(16)]]
+    ok = (digits != 255).all(axis=1)
+    shifts = np.arange(60, -4, -4, dtype=np.uint64)
+    values = (digits.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+    out[np.flatnonzero(regular)[ok]] = values[ok]
+    return out
+
+
+def among(values: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in ``wanted`` (both uint64; ``wanted`` sorted and unique): a
+    binary search, where ``numpy.isin`` hashes its million-element second argument anew on
+    every call."""
+    if len(wanted) == 0:
+        return np.zeros(len(values), dtype=bool)
+    pos = np.minimum(np.searchsorted(wanted, values), len(wanted) - 1)
+    return wanted[pos] == values
+
+
+def _among(hashes: pa.ChunkedArray, wanted: np.ndarray) -> pa.Array:
+    return pa.array(among(hash_values(hashes), wanted))
 
 
 def _try_lock(fd: int) -> bool:
@@ -78,6 +120,11 @@ def encode_part(rows: pd.DataFrame | pa.Table, schema: pa.Schema = RESULT_SCHEMA
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="lz4", use_dictionary=text, write_statistics=False)
     return sink.getvalue().to_pybytes()
+
+
+def as_arrow(rows: pd.DataFrame) -> pa.Table:
+    """Result rows built as a DataFrame (error and invalid rows) as an Arrow table."""
+    return pa.Table.from_pandas(rows, schema=RESULT_SCHEMA, preserve_index=False)
 
 
 class ResultStore:
@@ -242,7 +289,8 @@ class ResultStore:
         except (OSError, pa.ArrowException):
             skipped = self._set_aside(["workload"], log)
             table = _read([p for p in self.parts() if p not in skipped], ["workload"])
-        other = set(table.column("workload").to_pylist()) - {workload, None}
+        kinds = pa.compute.unique(table.column("workload").cast(pa.string()))
+        other = set(kinds.to_pylist()) - {workload, None}
         if other:
             raise StageDseError(
                 f"{self.root} holds {', '.join(sorted(other))} results; {workload} results go "
@@ -325,9 +373,16 @@ class ResultStore:
         """The config hashes already stored (what a resumed sweep skips); a part whose hash
         pages cannot be read is quarantined (``log`` says so) and its configurations count as
         not stored."""
+        return set(self._hash_column(log).to_pylist())
+
+    def hash_values(self, log: Callable[[str], None] = print) -> np.ndarray:
+        """:meth:`hashes` as a sorted array of unique uint64 (a million in some 0.1 s)."""
+        return np.unique(hash_values(self._hash_column(log)))
+
+    def _hash_column(self, log: Callable[[str], None]) -> pa.ChunkedArray:
         parts = self.parts()
         if not parts:
-            return set()
+            return pa.chunked_array([], type=pa.string())
         for part, why in self._provenance():
             if why:
                 raise StageDseError(
@@ -340,7 +395,51 @@ class ResultStore:
         except (OSError, pa.ArrowException):  # a corrupt page: set it aside, then resume
             skipped = self._set_aside(["config_hash"], log)
             table = _read([p for p in self.parts() if p not in skipped], ["config_hash"])
-        return set(table.column("config_hash").to_pylist())
+        return table.column("config_hash")
+
+    def row_count(self) -> int:
+        """Rows in the folder, from the part footers (no data page is read)."""
+        total = 0
+        for part in self.parts():
+            try:
+                total += pq.read_metadata(part).num_rows
+            except (OSError, pa.ArrowException):  # counted as not stored, as hashes() does
+                continue
+        return total
+
+    def scan(
+        self,
+        columns: list[str],
+        filters=None,
+        hashes: np.ndarray | None = None,
+        batch_rows: int = 65_536,
+    ) -> Iterator[pa.RecordBatch]:
+        """The rows matching ``filters`` (a ``pyarrow.dataset`` expression) and, if given,
+        whose ``config_hash`` is among ``hashes`` (sorted uint64, see
+        :func:`~stage_dse.runner.evaluate.done_hashes`), ``columns`` only, as record batches
+        of at most ``batch_rows``: what a summary of stored rows needs, in bounded memory (one
+        part's matching rows at a time). Hashes are matched by a binary search on their
+        integer values (a set of a million strings in an ``isin`` filter would be rebuilt for
+        every batch). A part that cannot be read is quarantined when this process writes the
+        folder, else skipped with a warning."""
+        read = list(dict.fromkeys([*columns, *(["config_hash"] if hashes is not None else [])]))
+        bad: dict[Path, str] = {}
+        for part in self.parts():
+            try:  # one part at a time: a part is read whole or not at all
+                dataset = ds.dataset(str(part), format="parquet", schema=RESULT_SCHEMA)
+                table = dataset.to_table(columns=read, filter=filters)
+            except (OSError, pa.ArrowException) as exc:
+                bad[part] = _reason(exc)
+                continue
+            if hashes is not None and table.num_rows:
+                table = table.filter(_among(table.column("config_hash"), hashes))
+            yield from table.select(columns).to_batches(max_chunksize=batch_rows)
+        if bad:
+            if self._lock_fd is not None:
+                self._quarantine(bad, lambda line: print(line, file=sys.stderr))
+            else:
+                for part, reason in bad.items():
+                    print(f"warning: skipped {part}, not readable ({reason})", file=sys.stderr)
 
     def read(self, columns: list[str] | None = None, filters=None) -> pd.DataFrame:
         """The rows as a DataFrame. A part that cannot be read (zero bytes, truncated, corrupt

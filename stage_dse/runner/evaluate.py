@@ -9,6 +9,7 @@ missing bytes in ``reason``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ from stage_dse.results.schema import (
     config_hash_u64,
     hex_hashes,
 )
-from stage_dse.results.store import encode_part
+from stage_dse.results.store import among, encode_part
+from stage_dse.runner.aggregate import RunSummary
 from stage_dse.search.space import SearchSpace, enumerate_plans
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, TrainingSpec
 
@@ -169,7 +171,7 @@ def evaluate_block(
     plans = block_plans(block)
     hashes = config_hash_u64(plans)
     if done is not None and len(done):
-        keep = ~np.isin(hashes, done)
+        keep = ~among(hashes, done)
         plans, hashes = plans.take(keep), hashes[keep]
     if len(plans) == 0:
         return RESULT_SCHEMA.empty_table()
@@ -184,22 +186,34 @@ def evaluate_block(
 
 @dataclass(frozen=True)
 class EncodedPart:
-    """What a sweep task sends back: one Parquet part file, encoded, and its row counts."""
+    """What a sweep task sends back: one Parquet part file, encoded, its row counts, the
+    summary partial of its rows and the CPU time the task took."""
 
     data: bytes
     rows: int
     status: dict[str, int]
+    summary: RunSummary | None = None
+    cpu_s: float = 0.0
+    """Thread CPU seconds of the task (enumeration, evaluation, encoding): the measured cost
+    per plan that ``runner=auto`` and the Ray block size go by."""
 
 
 def evaluate_part(
-    block: Block, sweep: str, done: np.ndarray | None = None, run_id: str = ""
+    block: Block,
+    sweep: str,
+    done: np.ndarray | None = None,
+    run_id: str = "",
+    top_k: int = 10,
 ) -> EncodedPart:
     """:func:`evaluate_block`, encoded as a part file where it ran: Parquet encoding is spread
-    over the workers and a compressed part travels instead of the Arrow columns."""
+    over the workers and a compressed part travels instead of the Arrow columns, with the
+    summary of its rows (:class:`~stage_dse.runner.aggregate.RunSummary`, ``top_k`` best)."""
+    t0 = time.thread_time()
     table = evaluate_block(block, sweep, done, run_id)
-    status = table.column("status").combine_chunks().value_counts().to_pylist()
-    counts = {d["values"]: d["counts"] for d in status}
-    return EncodedPart(encode_part(table) if len(table) else b"", len(table), counts)
+    summary = RunSummary(top_k=top_k)
+    summary.add(table)
+    data = encode_part(table) if len(table) else b""
+    return EncodedPart(data, len(table), dict(summary.status), summary, time.thread_time() - t0)
 
 
 def _dictionary(codes: np.ndarray, categories: list[str]) -> pa.DictionaryArray:

@@ -6,7 +6,8 @@ given (always a new one: neither ``RAY_ADDRESS`` nor the address file a ``ray st
 is read), or an existing cluster (``address="host:port"``, ``"auto"``, ``"ray://host:port"``),
 joined within ``connect_timeout_s`` or refused in one line: nothing listening there, or a
 cluster with token authentication (Ray 2.x) joined without ``RAY_AUTH_MODE=token``. ``AutoExecutor``
-(the default) picks one of the two per run from the number of plans left to evaluate. Ray
+(the default) evaluates here and measures the cost per plan, and moves the rest of a run to
+Ray only where the projection from that cost and the core count says Ray finishes sooner. Ray
 retries a task whose worker died; a task that still fails comes back as the exception, and the
 driver records its rows as ``error`` rows with the exception text. Nothing else schedules work
 across machines.
@@ -14,18 +15,21 @@ across machines.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import os
-import sys
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from stage_dse.cost.compile import compile_family
 from stage_dse.cost.derive import CostKey
+from stage_dse.runner.ray_join import (
+    CONNECT_TIMEOUT_S,
+    _host_port,
+    _join,
+    resolve_address,
+)
 
 __all__ = [
     "AutoExecutor",
@@ -33,6 +37,7 @@ __all__ = [
     "LocalExecutor",
     "RayExecutor",
     "make_executor",
+    "ray_projection",
     "resolve_address",
 ]
 
@@ -42,7 +47,13 @@ Task = tuple[int, tuple]
 class Executor(Protocol):
     name: str
 
-    def choose(self, plans: int) -> str: ...
+    def choose(self, plans: int, families: Sequence[CostKey] = ()) -> str: ...
+
+    def block_rows(self, default: int, left: int) -> int: ...
+
+    def observe(self, plans: int, cpu_s: float) -> None: ...
+
+    def describe(self) -> str: ...
 
     def start(self) -> str: ...
 
@@ -60,8 +71,18 @@ class LocalExecutor:
 
     name = "local"
 
-    def choose(self, plans: int) -> str:
+    def choose(self, plans: int, families: Sequence[CostKey] = ()) -> str:
         return "local (runner=local)"
+
+    def block_rows(self, default: int, left: int) -> int:
+        """``runner.batch_size``: the rows one block holds in memory here."""
+        return default
+
+    def observe(self, plans: int, cpu_s: float) -> None:
+        pass
+
+    def describe(self) -> str:
+        return ""
 
     def start(self) -> str:
         return ""
@@ -95,184 +116,6 @@ def _compile_task(key: CostKey) -> str:
     return repr(key)
 
 
-CONNECT_TIMEOUT_S = 10.0
-"""How long joining a cluster (``runner.address``) may take: the TCP probe of the address, then
-Ray's own retries of its GCS connection (about one a second), before one line says why not."""
-
-AUTH_MODE_ENV = "RAY_AUTH_MODE"
-_GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's bound on its GCS connect retries
-_AUTH_FIX = (
-    "the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN (`ray get-auth-token` on the "
-    "head node prints it)"
-)
-
-
-def resolve_address(address: str) -> tuple[str, str]:
-    """The address to join for ``runner.address`` and where it came from. ``auto`` is the
-    cluster ``RAY_ADDRESS`` names, else the one the last ``ray start`` on this machine recorded;
-    never just any Ray process found running (Ray's own ``auto`` falls back to that, and on a
-    shared machine it may be someone's embedded Ray). ``HOST:PORT`` and ``ray://HOST:PORT``
-    are taken as given."""
-    if address != "auto":
-        return address, ""
-    env = os.environ.get("RAY_ADDRESS", "").strip()
-    if env and env != "auto":
-        return env, " (from RAY_ADDRESS)"
-    from ray._private.utils import get_ray_address_file, read_ray_address
-
-    recorded = read_ray_address()
-    if not recorded:
-        from stage_dse.errors import ConfigError
-
-        raise ConfigError(
-            "runner.address=auto: no Ray cluster was started with `ray start` on this machine "
-            "(no RAY_ADDRESS, no address file); start one with `ray start --head --port 6379` "
-            "or give runner.address=HOST:PORT"
-        )
-    return recorded, f" (recorded by `ray start` in {get_ray_address_file(None)})"
-
-
-def _host_port(address: str, shown: str) -> tuple[str, int]:
-    rest = address.removeprefix("ray://")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or "/" in rest or not port.isdigit() or not 0 < int(port) < 65536:
-        from stage_dse.errors import ConfigError
-
-        raise ConfigError(
-            f"runner.address={shown!r} is not HOST:PORT, ray://HOST:PORT or auto; give the "
-            "address `ray start --head` printed, e.g. runner.address=127.0.0.1:6379"
-        )
-    return host.strip("[]"), int(port)
-
-
-def _probe(shown: str, host: str, port: int, timeout_s: float, origin: str) -> None:
-    """Fail in one line, within ``timeout_s``, when nothing listens at the address (Ray itself
-    would retry for many minutes)."""
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        from stage_dse.errors import ConfigError
-
-        if isinstance(exc, TimeoutError):
-            why = f"no answer within {timeout_s:g} s"
-        else:
-            why = (exc.strerror or str(exc) or type(exc).__name__).lower()
-        stale = ", a stale address file" if "ray start" in origin else ""
-        flag = "--ray-client-server-port" if shown.startswith("ray://") else "--port"
-        raise ConfigError(
-            f"runner.address={shown}: no Ray cluster answers at {host}:{port}{origin}: {why}"
-            f"{stale}; start one with `ray start --head {flag} {port}` or give the address it "
-            "printed"
-        ) from None
-
-
-@contextlib.contextmanager
-def _bounded_gcs_connect(timeout_s: float) -> Iterator[None]:
-    """Ray's settings for connecting to a GCS, for the time of one join, sized to ``timeout_s``:
-    an attempt costs about two RPC connect timeouts, the cluster-id wait and a one-second
-    pause, and Ray makes ``gcs_server_port_wait_time_s`` attempts (by default 20 of up to
-    ~40 s each, which is minutes at an address that accepts TCP but is not a Ray GCS). Settings
-    the user gave in the environment are kept."""
-    per_s = max(1, math.ceil(timeout_s / 10))
-    wanted = {
-        "RAY_gcs_server_port_wait_time_s": max(1, round(timeout_s / (3 * per_s + 1))),
-        "RAY_gcs_rpc_server_connect_timeout_s": per_s,
-        "RAY_py_gcs_connect_timeout_s": per_s,
-    }
-    added = [k for k in wanted if k not in os.environ]
-    for k in added:
-        os.environ[k] = str(wanted[k])
-    _reload_ray_config()
-    try:
-        yield
-    finally:
-        # not read again: they only govern connecting, and the core worker now runs
-        for k in added:
-            os.environ.pop(k, None)
-
-
-def _reload_ray_config() -> None:
-    """Have Ray read its ``RAY_*`` settings from the environment again (as Ray itself does
-    when it turns on token authentication); a no-op where that call does not exist."""
-    try:
-        from ray._raylet import Config
-
-        Config.initialize("")
-    except (ImportError, AttributeError):  # another Ray layout: its defaults apply
-        pass
-
-
-@contextlib.contextmanager
-def _stderr_captured() -> Iterator[Callable[[], str]]:
-    """Send file descriptor 2 to a temporary file (Ray's C++ core logs each failed retry
-    there); yields a function returning what was written."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-
-        def text() -> str:
-            sys.stderr.flush()
-            tmp.seek(0)
-            return tmp.read().decode(errors="replace")
-
-        try:
-            yield text
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def _join(ray, address: str, timeout_s: float, kwargs: dict) -> str:
-    """``ray.init`` on an existing cluster, bounded by ``timeout_s``; any failure is one line
-    naming ``runner.address`` and the fix (token authentication: ``RAY_AUTH_MODE``)."""
-    from stage_dse.errors import ConfigError
-
-    target, origin = resolve_address(address)
-    host, port = _host_port(target, address)
-    _probe(address, host, port, timeout_s, origin)
-    failure, logged = None, ""
-    with _bounded_gcs_connect(timeout_s), _stderr_captured() as captured:
-        try:
-            # "auto" as such: Ray then also turns on token authentication when this machine
-            # holds a token, as it does for its own clusters found this way
-            ray.init(address="auto" if address == "auto" else target, **kwargs)
-        except Exception as exc:  # Ray raises several types here; all end the same way
-            failure, logged = exc, captured()
-    if failure is not None:
-        raise ConfigError(_join_error(address, target, failure, logged)) from None
-    return target
-
-
-def _join_error(shown: str, target: str, exc: BaseException, logged: str) -> str:
-    chain, e = [], exc
-    while e is not None:
-        chain.append(f"{type(e).__name__}: {e}")
-        e = e.__cause__ or e.__context__
-    text = " ".join(chain) + " " + logged
-    head = f"runner.address={shown}: "
-    if "no authentication token was found" in text:
-        return f"{head}{AUTH_MODE_ENV}=token is set but no token was found: put {_AUTH_FIX}"
-    if "InvalidAuthToken" in text or "AuthenticationError" in text:
-        if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
-            return (
-                f"{head}the Ray cluster at {target} uses token authentication: set "
-                f"{AUTH_MODE_ENV}=token, with {_AUTH_FIX}"
-            )
-        return f"{head}the Ray cluster at {target} refused this token: use {_AUTH_FIX}"
-    version = [line for line in text.splitlines() if "version" in line.lower()]
-    if "mismatch" in text.lower() and version:
-        return f"{head}{version[0].strip()[:300]}; install the cluster's Ray and Python here"
-    last = " ".join(str(exc).split())[:200] or type(exc).__name__
-    return (
-        f"{head}could not join the Ray cluster at {target} ({last}); check that `ray start "
-        "--head` runs there and that its port is reachable from this machine"
-    )
-
-
 class RayExecutor:
     """One Ray task per batch of thousands of plans."""
 
@@ -296,6 +139,9 @@ class RayExecutor:
         self._reaper = None
         self._remote: dict[Callable, Any] = {}
         self._joined = ""
+        self._plans = 0
+        self._cpu_s = 0.0
+        self._rows: list[int] = []
 
     def _ensure(self) -> None:
         """Start (or join) Ray on first use, so that a sweep with nothing to evaluate never
@@ -358,9 +204,49 @@ class RayExecutor:
             self._remote[fn] = self._ray.remote(max_retries=self.max_retries)(fn)
         return self._remote[fn]
 
-    def choose(self, plans: int) -> str:
+    def choose(self, plans: int, families: Sequence[CostKey] = ()) -> str:
         where = f"the Ray cluster at {self.address}" if self.address else "an embedded Ray"
         return f"ray ({where})"
+
+    def observe(self, plans: int, cpu_s: float) -> None:
+        """A finished task's plans and its CPU seconds on the worker (what block sizes go by)."""
+        self._plans += plans
+        self._cpu_s += cpu_s
+
+    @property
+    def plans_per_cpu_s(self) -> float | None:
+        """Plans a worker evaluates per CPU second, measured on this run's tasks so far."""
+        return self._plans / self._cpu_s if self._plans and self._cpu_s > 0 else None
+
+    def block_rows(self, default: int, left: int) -> int:
+        """Rows of the next task: :data:`RAY_TASK_CPU_S` of work at the measured rate (until a
+        task has reported, ``runner.batch_size``), within :data:`RAY_BLOCK_ROWS`, and no more
+        than leaves two tasks per CPU for what is left (so the last tasks finish together)."""
+        rate = self.plans_per_cpu_s
+        if rate is None or self._ray is None:
+            rows = default
+        else:
+            lo, hi = RAY_BLOCK_ROWS
+            balanced = math.ceil(left / (2 * max(1, self._num_cpus)))
+            rows = max(lo, min(hi, int(rate * RAY_TASK_CPU_S), balanced))
+        self._rows.append(rows)
+        return rows
+
+    def block_note(self) -> str:
+        """How large the blocks were and what they were sized from ("" before any)."""
+        rate = self.plans_per_cpu_s
+        if rate is None or not self._rows:
+            return ""
+        sizes = sorted(set(self._rows))
+        shown = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
+        return (
+            f"blocks of {shown} rows, sized from the measured {rate / 1e3:,.0f}k plans per "
+            "worker CPU-second"
+        )
+
+    def describe(self) -> str:
+        note = self.block_note()
+        return f"{self.choose(0)}; {note}" if note else self.choose(0)
 
     def start(self) -> str:
         """Start or join Ray now (otherwise on first use); what was started."""
@@ -420,17 +306,50 @@ class RayExecutor:
             self._ray.shutdown()
 
 
-AUTO_RAY_MIN_PLANS = 300_000
-"""``runner=auto`` evaluates in this process below this many plans left to evaluate. An embedded
-Ray costs 4-5 s of wall time to start and compiles every family ahead; its second core pays
-that back only on large sweeps. Measured on the 2-core reference machine, Llama-3-70B over the
-``llama3_70b_h100_1024`` plan space, empty compile cache, wall seconds in-process vs Ray:
-162,240 plans 12.1 vs 13.9; 286,584 plans 14.0 vs 14.4 (break-even near 300,000)."""
+RAY_TASK_CPU_S = 1.0
+"""CPU seconds of work per Ray task once the rate is measured: long enough that dispatch and a
+block's fixed costs (rebuilding its enumeration's masks, some 10-30 ms) stay a few percent,
+short enough for a progress bar and for a killed run to lose little."""
+RAY_BLOCK_ROWS = (5_000, 100_000)
+"""Bounds of a Ray block: below, per-task overhead dominates; above, a worker holds several
+hundred MB for one block."""
+RAY_START_S = 4.5
+"""Wall seconds an embedded Ray takes before its first task (start, workers importing
+stage_dse), measured on the 2-core reference machine (``benchmarks/bench_sweep.py --ray``)."""
+RAY_CPU_FACTOR = 1.6
+"""CPU seconds per plan through Ray over those in this process, on the same sweep (Ray's
+workers each load the plan families, results travel through the object store): 1.6 measured
+on the 2-core reference machine with 1,020,624 plans (``benchmarks/bench_sweep.py --ray``)."""
+AUTO_MEASURE_CPU_S = 0.5
+"""``runner=auto`` evaluates in this process until it has measured this much CPU time (and two
+blocks) before it projects whether Ray would finish sooner."""
+
+
+def ray_projection(plans: int, per_plan_s: float, cores: int) -> tuple[float, float]:
+    """Projected wall seconds for ``plans`` at ``per_plan_s`` CPU-seconds each (measured in
+    this process): here, and on an embedded Ray over ``cores`` CPUs (:data:`RAY_START_S`,
+    :data:`RAY_CPU_FACTOR`)."""
+    here = plans * per_plan_s
+    return here, RAY_START_S + here * RAY_CPU_FACTOR / max(1, cores)
+
+
+class _Shared:
+    """A read-only task argument :class:`AutoExecutor` hands over as it is (in this process)
+    or through Ray's object store once (after a switch)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
 
 
 class AutoExecutor:
-    """In this process for small runs, Ray for large ones or when a cluster address is given;
-    :meth:`choose` decides once per run, before anything is evaluated, and says why."""
+    """Ray when a cluster address is given; otherwise this process, measuring the cost per
+    plan on the first blocks, and Ray for the rest of the run only where the projection says
+    it finishes sooner on this machine's cores.
+
+    Projection for ``R`` plans left at ``c`` CPU-seconds each measured here, ``n`` cores:
+    in this process ``R c``; on an embedded Ray :data:`RAY_START_S` ``+ R c``
+    :data:`RAY_CPU_FACTOR` ``/ n``. On 2 cores Ray pays only past ``R c`` of about 22 s (some
+    five million plans of a dense model); on 1 core never; on 8 cores past about 6 s."""
 
     def __init__(
         self,
@@ -442,24 +361,52 @@ class AutoExecutor:
         self._num_cpus = num_cpus
         self._connect_timeout_s = connect_timeout_s
         self._inner: LocalExecutor | RayExecutor | None = None
+        self._families: list[CostKey] = []
+        self._plans = 0
+        self._measured = [0, 0.0, 0]  # plans, CPU seconds, tasks (in this process)
+        self._deciding = False
+        self._why = ""
+        self._shared: dict[int, Any] = {}
         self.name = "auto"
 
-    def choose(self, plans: int) -> str:
+    @property
+    def cores(self) -> int:
+        if self._num_cpus:
+            return int(self._num_cpus)
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
+
+    def choose(self, plans: int, families: Sequence[CostKey] = ()) -> str:
+        self._plans, self._families = plans, list(families)
         if self.address:
             self._inner = RayExecutor(
                 address=self.address,
                 num_cpus=self._num_cpus,
                 connect_timeout_s=self._connect_timeout_s,
             )
-            why = f"runner.address={self.address} given"
-        elif plans >= AUTO_RAY_MIN_PLANS:
-            self._inner = RayExecutor(num_cpus=self._num_cpus)
-            why = f"{plans:,} plans >= {AUTO_RAY_MIN_PLANS:,}: worth starting Ray"
+            self._why = f"runner.address={self.address} given"
+            self._deciding = False
+        elif plans == 0:
+            self._inner = LocalExecutor()
+            self._why = "nothing to evaluate"
+            self._deciding = False
         else:
             self._inner = LocalExecutor()
-            why = f"{plans:,} plans < {AUTO_RAY_MIN_PLANS:,}: faster than starting Ray"
+            self._why = (
+                f"{plans:,} plans: in this process while the cost per plan is measured on the "
+                f"first blocks, Ray for the rest if it would finish sooner on {self.cores} CPUs"
+            )
+            self._deciding = plans > 0
         self.name = self._inner.name
-        return f"{self._inner.choose(plans).split(' (')[0]} (runner=auto: {why})"
+        return self.describe()
+
+    def describe(self) -> str:
+        inner = self.inner
+        shown = f"{inner.choose(self._plans).split(' (')[0]} (runner=auto: {self._why})"
+        more = inner.block_note() if isinstance(inner, RayExecutor) else ""
+        return f"{shown}; {more}" if more else shown
 
     @property
     def inner(self) -> LocalExecutor | RayExecutor:
@@ -468,6 +415,57 @@ class AutoExecutor:
         assert self._inner is not None
         return self._inner
 
+    def observe(self, plans: int, cpu_s: float) -> None:
+        if isinstance(self.inner, LocalExecutor):
+            self._measured[0] += plans
+            self._measured[1] += cpu_s
+            self._measured[2] += 1
+        self.inner.observe(plans, cpu_s)
+
+    def block_rows(self, default: int, left: int) -> int:
+        return self.inner.block_rows(default, left)
+
+    def _decide(self) -> bool:
+        """Once enough is measured: project both ways, keep the faster; True to switch."""
+        plans, cpu_s, tasks = self._measured
+        if cpu_s < AUTO_MEASURE_CPU_S or tasks < 2:
+            return False
+        self._deciding = False
+        left = max(0, self._plans - plans)
+        per_plan = cpu_s / plans
+        here, ray = ray_projection(left, per_plan, self.cores)
+        measured = (
+            f"{per_plan * 1e6:.1f} us per plan measured on {plans:,}: the {left:,} left "
+            f"{here:.1f} s here vs ~{ray:.1f} s on Ray with {self.cores} CPUs (start "
+            f"{RAY_START_S:g} s, {RAY_CPU_FACTOR:g}x CPU per plan)"
+        )
+        if ray >= here:
+            self._why = f"{self._plans:,} plans, {measured}"
+            return False
+        self._why = f"{self._plans:,} plans, switched to Ray after {plans:,}: {measured}"
+        self._inner = RayExecutor(num_cpus=self._num_cpus)
+        self.name = "ray"
+        self._inner.start()
+        self._inner.observe(plans, cpu_s)  # the first Ray blocks are sized from this rate
+        from stage_dse.cost.compile import LLVM_MIN_ROWS
+
+        if self._families and left / len(self._families) >= LLVM_MIN_ROWS:
+            self._inner.compile(self._families)
+        return True
+
+    def _finished_here(self) -> None:
+        """The run ended in this process before a projection was made."""
+        self._deciding = False
+        plans, cpu_s, _ = self._measured
+        if not plans:  # a driver that reports no cost (an Optuna study)
+            self._why = f"{self._plans:,} plans: in this process (no cost per plan measured)"
+        else:
+            self._why = (
+                f"{self._plans:,} plans, all evaluated here while measuring their cost "
+                f"({cpu_s:.1f} CPU-s, {cpu_s / plans * 1e6:.1f} us per plan; an embedded Ray "
+                f"takes {RAY_START_S:g} s to start)"
+            )
+
     def start(self) -> str:
         return self.inner.start()
 
@@ -475,10 +473,39 @@ class AutoExecutor:
         self.inner.compile(keys)
 
     def share(self, obj: Any) -> Any:
-        return self.inner.share(obj)
+        if isinstance(self.inner, RayExecutor):
+            return self.inner.share(obj)
+        return _Shared(obj)
+
+    def _resolve(self, task: Task) -> Task:
+        tid, args = task
+        if not any(isinstance(a, _Shared) for a in args):
+            return task
+        ray = isinstance(self.inner, RayExecutor)
+        out = []
+        for a in args:
+            if isinstance(a, _Shared) and ray:
+                if id(a) not in self._shared:
+                    self._shared[id(a)] = self.inner.share(a.obj)
+                a = self._shared[id(a)]
+            elif isinstance(a, _Shared):
+                a = a.obj
+            out.append(a)
+        return tid, tuple(out)
 
     def map(self, fn: Callable, tasks: Iterable[Task]) -> Iterator[tuple[int, Any]]:
-        return self.inner.map(fn, tasks)
+        it = iter(tasks)
+        if isinstance(self.inner, LocalExecutor):
+            for task in it:
+                # the driver observes each result before the next task is drawn
+                yield from self.inner.map(fn, [self._resolve(task)])
+                if self._deciding and self._decide():
+                    break
+            else:
+                if self._deciding:
+                    self._finished_here()
+                return
+        yield from self.inner.map(fn, (self._resolve(t) for t in it))
 
     def close(self) -> None:
         if self._inner is not None:

@@ -3,6 +3,12 @@
 What lives here: :func:`run_grid` (exhaustive search over a
 :class:`~stage_dse.spec.sweep.SweepSpec`) and the summary a user sees. It is the only code that
 writes results. It takes an executor, so the same sweep runs in-process or on Ray.
+
+The summary is never computed by reading the dataset back: each task sends, with its encoded
+part, the partial aggregates of its rows (:mod:`stage_dse.runner.aggregate`), which the driver
+merges; a resumed sweep adds the rows it reused by a scan of the folder filtered on their
+``config_hash`` and projected to the summary's columns. The driver's memory is then a few
+blocks, whatever the sweep's size.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import numpy as np
 import pandas as pd
 
 from stage_dse.results.schema import config_hash_u64
-from stage_dse.results.store import ResultStore, new_run_id
+from stage_dse.results.store import ResultStore, among, as_arrow, new_run_id
+from stage_dse.runner.aggregate import SUMMARY_COLUMNS, TIE_REL, RunSummary
 from stage_dse.runner.evaluate import (
     Block,
     block_configs,
     block_plans,
-    done_hashes,
     error_rows,
     evaluate_part,
 )
@@ -31,7 +37,7 @@ from stage_dse.runner.executors import Executor
 from stage_dse.search.space import enumerate_plans
 from stage_dse.spec.sweep import SweepSpec
 
-__all__ = ["SweepReport", "SweepSpec", "build_table", "run_grid", "top_table"]
+__all__ = ["TIE_REL", "SweepReport", "SweepSpec", "build_table", "run_grid", "top_table"]
 
 GIB = 2.0**30
 
@@ -53,6 +59,11 @@ class SweepReport:
     """Recorded in the ``run_id`` column of every row this run evaluated."""
     runner: str = ""
     """Where the run evaluated, and why there (``runner=auto``)."""
+    summary: RunSummary | None = None
+    """What the summary shows, over this sweep's configurations: the rows this run evaluated
+    (aggregated as they streamed by) and, on a resumed sweep, the stored rows it reused."""
+    folder_rows: int = 0
+    """Rows in the results folder once the run ended (any run's, from the part footers)."""
 
 
 def _chunks(spec: SweepSpec) -> Iterator[tuple[pd.DataFrame, int, Counter]]:
@@ -128,18 +139,22 @@ def run_grid(
     batch_size: int = 50_000,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    top_k: int = 10,
 ) -> SweepReport:
-    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per batch.
+    """Evaluate every valid plan of ``spec`` not yet in ``store``; write one part per block.
 
     The driver only counts (printed before anything is evaluated) and cuts each enumeration into
-    blocks of ``batch_size`` rows; each executor task rebuilds its block, hashes it, drops rows
-    already stored, evaluates the rest and returns them encoded as one Parquet part, which the
-    driver writes atomically from a background thread.
+    blocks as it goes: ``batch_size`` rows in this process, on Ray as many as the measured rate
+    asks for (:meth:`~stage_dse.runner.executors.RayExecutor.block_rows`). Each executor task
+    rebuilds its block, hashes it, drops rows already stored, evaluates the rest and returns
+    them encoded as one Parquet part with their summary partial (the ``top_k`` best kept),
+    which the driver writes atomically from a background thread and merges into
+    ``report.summary``.
     """
     replaced = store.prepare(log)
     try:
         store.check_workload("training", log)
-        return _run_grid(spec, executor, store, batch_size, progress, log, replaced)
+        return _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k)
     finally:
         store.release()
 
@@ -181,16 +196,9 @@ def unique_axes(spec: SweepSpec) -> tuple[SweepSpec, list[str]]:
     return (replace(spec, **changes) if changes else spec), notes
 
 
-def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> SweepReport:
-    t0 = time.perf_counter()
-    spec, merged = unique_axes(spec)
-    for note in merged:
-        log(f"note: repeated values are one value: {note}")
-    report = SweepReport(name=spec.name, run_id=new_run_id())
-    if replaced:
-        log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
-    done = frozenset(store.hashes(log))
-    blocks: list[Block] = []
+def _blocks(spec: SweepSpec, report: SweepReport, batch_size: int) -> list[Block]:
+    """The sweep's enumerations cut into blocks of ``batch_size`` rows (counted, not built)."""
+    blocks = []
     for model in spec.models:
         for hw in spec.hardware:
             for n in spec.gpu_counts:
@@ -200,58 +208,132 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
                 report.valid += e.valid
                 report.rejected.update(e.rejected)
                 for start in range(0, e.valid, batch_size):
-                    stop = min(start + batch_size, e.valid)
-                    block = Block(
-                        model=model,
-                        training=spec.training,
-                        hardware=hw,
-                        cluster=cluster,
-                        space=spec.space,
-                        memory_limit_bytes=spec.memory_limit_bytes,
-                        start=start,
-                        stop=stop,
-                        timing=spec.timing,
+                    blocks.append(
+                        Block(
+                            model=model,
+                            training=spec.training,
+                            hardware=hw,
+                            cluster=cluster,
+                            space=spec.space,
+                            memory_limit_bytes=spec.memory_limit_bytes,
+                            start=start,
+                            stop=min(start + batch_size, e.valid),
+                            timing=spec.timing,
+                        )
                     )
-                    blocks.append(block)
+    return blocks
+
+
+def _ranges(blocks: list[Block]) -> list[Block]:
+    """Adjacent blocks of one enumeration merged into one range of rows."""
+    out: list[Block] = []
+    for b in blocks:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.stop == b.start
+            and replace(last, stop=b.stop) == replace(b, start=last.start)
+        ):
+            out[-1] = replace(last, stop=b.stop)
+        else:
+            out.append(b)
+    return out
+
+
+def _cut(ranges: list[Block], executor: Executor, batch_size: int, cut: dict) -> Iterator:
+    """Blocks of ``ranges``, each as large as the executor asks for when it is cut (Ray: from
+    the measured cost per plan); ``cut`` maps each block's id to it until its result is in."""
+    left = sum(r.stop - r.start for r in ranges)
+    bid = 0
+    for r in ranges:
+        start = r.start
+        while start < r.stop:
+            rows = max(1, int(executor.block_rows(batch_size, left)))
+            block = replace(r, start=start, stop=min(start + rows, r.stop))
+            cut[bid] = block
+            yield bid, block
+            left -= block.stop - block.start
+            start = block.stop
+            bid += 1
+
+
+def _stored_rows(store: ResultStore, hashes: list[np.ndarray], summary: RunSummary) -> None:
+    """Add the stored rows of these configurations (a resumed sweep) to ``summary``: a scan of
+    the folder filtered on their ``config_hash``, projected to the summary's columns."""
+    wanted = np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
+    if len(wanted):
+        for batch in store.scan(list(SUMMARY_COLUMNS), hashes=wanted):
+            summary.add(batch, reused=True)
+
+
+def _run_grid(spec, executor, store, batch_size, progress, log, replaced, top_k) -> SweepReport:
+    t0 = time.perf_counter()
+    spec, merged = unique_axes(spec)
+    for note in merged:
+        log(f"note: repeated values are one value: {note}")
+    report = SweepReport(name=spec.name, run_id=new_run_id())
+    report.summary = RunSummary(top_k=top_k)
+    if replaced:
+        log(f"removed {replaced} part files of another stage_dse version (replace_stale)")
+    stored = store.hash_values(log)  # sorted uint64
+    blocks = _blocks(spec, report, batch_size)
     rejected_total = sum(report.rejected.values())
     log(
         f"sweep {spec.name}: {report.valid:,} valid plans of {report.candidates:,} candidates "
         f"({rejected_total:,} rejected by divisibility rules, enumerated in "
-        f"{time.perf_counter() - t0:.2f} s); {len(done):,} rows already in {store.root}"
+        f"{time.perf_counter() - t0:.2f} s); {len(stored):,} rows already in {store.root}"
     )
-    if done and blocks:
+    reused: list[np.ndarray] = []
+    if len(stored) and blocks:
         # a resumed sweep: blocks whose every configuration is stored need no worker (and a
-        # sweep with nothing left starts no Ray)
-        stored = done_hashes(done)
-        todo = [b for b in blocks if not np.isin(config_hash_u64(block_plans(b)), stored).all()]
+        # sweep with nothing left starts no Ray); the stored rows of this sweep's
+        # configurations are summarized from the folder
+        todo = []
+        for b in blocks:
+            hashes = config_hash_u64(block_plans(b))
+            hit = among(hashes, stored)
+            if hit.any():
+                reused.append(hashes[hit])
+            if not hit.all():
+                todo.append(b)
         kept = {id(b) for b in todo}
         report.skipped += sum(b.stop - b.start for b in blocks if id(b) not in kept)
         blocks = todo
         if not blocks:
             log("every configuration is already stored: nothing to evaluate")
     left = sum(b.stop - b.start for b in blocks)
-    report.runner = executor.choose(left)
+    keys = family_keys(spec) if blocks else []
+    report.runner = executor.choose(left, keys)
     if blocks:
-        log(f"  evaluating up to {left:,} plans in {len(blocks)} batches on {report.runner}")
-        _start_and_compile(executor, family_keys(spec), left, log)
+        log(f"  evaluating up to {left:,} plans on {report.runner}")
+        _start_and_compile(executor, keys, left, log)
     bar = _progress(report.valid, progress)
-    shared_done = executor.share(done_hashes(done)) if done and blocks else None
-    tasks = ((i, (b, spec.name, shared_done, report.run_id)) for i, b in enumerate(blocks))
+    shared_done = executor.share(stored) if len(stored) and blocks else None
+    cut: dict[int, Block] = {}
+    tasks = (
+        (bid, (b, spec.name, shared_done, report.run_id, top_k))
+        for bid, b in _cut(_ranges(blocks), executor, batch_size, cut)
+    )
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = []
         for bid, result in executor.map(evaluate_part, tasks):
-            block = blocks[bid]
+            block = cut.pop(bid)
             if isinstance(result, BaseException):
                 configs = block_configs(block)
-                configs = configs[~configs["config_hash"].isin(done).to_numpy()]
+                configs = configs[~among(config_hash_u64(block_plans(block)), stored)]
                 message = f"{type(result).__name__}: {result}"
                 rows = error_rows(configs, message, spec.name, report.run_id)
                 pending.append(writer.submit(store.write, rows))
                 n_rows, statuses = len(rows), {"error": len(rows)}
+                if len(rows):
+                    report.summary.add(as_arrow(rows))
             else:
                 if result.rows:
                     pending.append(writer.submit(store.write_encoded, result.data))
                 n_rows, statuses = result.rows, result.status
+                if result.summary is not None:
+                    report.summary.merge(result.summary)
+                executor.observe(block.stop - block.start, result.cpu_s)
             report.evaluated += n_rows
             report.skipped += (block.stop - block.start) - n_rows
             report.status.update({k: v for k, v in statuses.items() if v})
@@ -259,6 +341,9 @@ def _run_grid(spec, executor, store, batch_size, progress, log, replaced) -> Swe
         for f in pending:
             f.result()  # surface write errors
     bar.close()
+    report.runner = executor.describe() or report.runner
+    _stored_rows(store, reused, report.summary)
+    report.folder_rows = store.row_count()
     infeasible = report.status.get("infeasible", 0)
     if infeasible:
         report.infeasible_reasons["does not fit in memory"] += infeasible
@@ -280,13 +365,6 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="plan", unit_scale=True, file=sys.stderr, desc="evaluating")
-
-
-TIE_REL = 1e-3
-"""Plans whose ranking value (step time, GPU-seconds) lies within this fraction of the first
-plan of their group tie: a 0.1% difference is far below what the model resolves (its error
-on published runs is some 15%), so the table says they tie and lists the one with more memory
-headroom first instead of ranking them by noise."""
 
 
 def _rank_with_ties(ok: pd.DataFrame, by: str, k: int) -> tuple[pd.DataFrame, list[str]]:
