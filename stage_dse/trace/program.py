@@ -26,6 +26,7 @@ issued before the GEMM they run under, which does not wait for them (the cost mo
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -122,6 +123,8 @@ class StageTemplate:
     gathered_bytes: int = 0
     """Bytes all-gathers produce on one rank, from the graph (the checker compares the trace's
     per-rank sizes times group sizes with it)."""
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Identifies the template across processes (the writer's tasks keep prepared stamps)."""
 
 
 @lru_cache(maxsize=1 << 16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 from stage_dse import __version__
@@ -37,7 +38,7 @@ class _Stamp:
     """A stage template prepared for stamping: its distinct per-rank slots, the slot of each
     slotted node in order, and per combination of slot-value lengths the constant bytes between
     slotted values (fixed nodes framed and joined; a slotted node's length prefix depends only
-    on the length of its value)."""
+    on the length of its value), kept as one bytes format per combination."""
 
     def __init__(self, template: StageTemplate) -> None:
         self.slots: list = []
@@ -56,31 +57,45 @@ class _Stamp:
             self.pieces.append((b"".join(fixed), piece.prefix))
             fixed = []
         self.tail = b"".join(fixed)
-        self.by_lengths: dict[tuple[int, ...], list[bytes]] = {}
+        self.formats: dict[tuple, bytes] = {}
+        # the slotted values of a rank in node order, picked in one C call
+        self.pick = (lambda v: ()) if not self.seq else _picker(self.seq)
 
-    def constants(self, lengths: tuple[int, ...]) -> list[bytes]:
-        got = self.by_lengths.get(lengths)
+    def format(self, header: bytes, lengths: tuple[int, ...]) -> bytes:
+        """The file as a bytes format: constants with ``%b`` where each slotted value goes
+        (filled in one C call per rank)."""
+        got = self.formats.get((header, lengths))
         if got is None:
-            got = [
+            consts = [
                 before + enc.varint(len(prefix) + lengths[k]) + prefix
                 for (before, prefix), k in zip(self.pieces, self.seq)
             ]
-            got.append(self.tail)
-            self.by_lengths[lengths] = got
+            consts.append(self.tail)
+            consts[0] = header + consts[0]
+            got = b"%b".join(c.replace(b"%", b"%%") for c in consts)
+            self.formats[(header, lengths)] = got
         return got
 
 
-_STAMPS: dict[int, tuple[StageTemplate, _Stamp]] = {}
+def _picker(seq: list[int]):
+    pick = itemgetter(*seq)
+    if len(seq) == 1:
+        return lambda values: (pick(values),)
+    return pick
+
+
+_STAMPS: dict[str, _Stamp] = {}
+"""Prepared stamps by template id: a Ray worker keeps them across the tasks of a set (each
+task receives its own copy of the templates)."""
 
 
 def _stamp(template: StageTemplate) -> _Stamp:
-    hit = _STAMPS.get(id(template))
-    if hit is not None and hit[0] is template:
-        return hit[1]
+    st = _STAMPS.get(template.uid)
+    if st is not None:
+        return st
     if len(_STAMPS) > 64:  # templates of earlier sets
         _STAMPS.clear()
-    st = _Stamp(template)
-    _STAMPS[id(template)] = (template, st)
+    st = _STAMPS[template.uid] = _Stamp(template)
     return st
 
 
@@ -94,11 +109,7 @@ def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -
             values.append(enc.attr_int32("comm_dst" if send else "comm_src", peer))
         else:
             values.append(enc.attr_string("pg_name", str(mesh.group_id(slot, rank))))
-    consts = st.constants(tuple(len(b) for b in values))
-    parts = [b""] * (2 * len(st.seq) + 1)
-    parts[0::2] = consts
-    parts[1::2] = [values[k] for k in st.seq]
-    return header + b"".join(parts), len(template.pieces)
+    return st.format(header, tuple(len(b) for b in values)) % st.pick(values), len(template.pieces)
 
 
 def write_ranks(
@@ -113,12 +124,17 @@ def write_ranks(
     header = enc.frame(enc.metadata())
     total = 0
     pp_stride = mesh.stride[MeshAxis.PP]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
     for rank in range(lo, hi):
         stage = (rank // pp_stride) % mesh.degree[MeshAxis.PP]
         data, _ = _rank_bytes(templates[stage], mesh, rank, header)
-        path = os.path.join(out, f"{prefix}.{rank}.et")
-        with open(path, "wb") as fh:
-            fh.write(data)
+        fd = os.open(os.path.join(out, f"{prefix}.{rank}.et"), flags, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         total += len(data)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return total, hi - lo, time.process_time() - cpu0, rss_mib
