@@ -141,8 +141,12 @@ def trace_family(key: CostKey, grad_bytes: int) -> TraceFamily:
 
 @lru_cache(maxsize=512)
 def _bucket_fn(coll: CollKind, group: frozenset, rank_order: tuple):
+    axes = "-".join(sorted(a.value for a in group))
+    order = "-".join(a.value for a in rank_order)
     return compile_expressions(
-        [collective_time(coll, group, BUCKET_BYTES, rank_order)], extra=[BUCKET_BYTES]
+        lambda: [collective_time(coll, group, BUCKET_BYTES, rank_order)],
+        extra=[BUCKET_BYTES],
+        cache_tag=f"trace-bucket|{_source_digest()}|{coll.value}|{axes}|{order}",
     )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from stage_dse import __version__
 from stage_dse.cost.bind import evaluate_plan
+from stage_dse.cost.compile import LLVM_MIN_ROWS, family_for
+from stage_dse.cost.derive import cost_key
 from stage_dse.errors import ConfigError
 from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
@@ -183,6 +185,9 @@ class TraceSet:
     worker_cpu_s: float = 0.0
     """CPU seconds spent in executor tasks (0 when written in this process)."""
     worker_peak_rss_mib: float = 0.0
+    setup_cpu_s: float = 0.0
+    """CPU seconds of this process outside the rank files: templates, checks, groups, manifest
+    (the writer's fixed cost per set)."""
 
 
 def group_id_warnings(mesh: Mesh) -> list[str]:
@@ -212,6 +217,18 @@ def set_counts(
     }
 
 
+def _cost_step_s(cfg: TraceConfig) -> float:
+    """The cost model's step time of the set's configuration, from the family's compiled code:
+    every set of a family, in every process and Ray worker that writes one, needs it, so the
+    family is asked for as for :data:`LLVM_MIN_ROWS` rows (compiled once, kept in the disk
+    cache, loaded in milliseconds afterwards) rather than derived again per process."""
+    family_for(cost_key(cfg.model, cfg.plan, cfg.training), rows=LLVM_MIN_ROWS)
+    step = evaluate_plan(
+        cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
+    )["step_s"]
+    return float(step)
+
+
 def write_trace_set(
     cfg: TraceConfig,
     out: str | os.PathLike,
@@ -221,8 +238,11 @@ def write_trace_set(
     config_hash: str = "",
 ) -> TraceSet:
     """Write a full trace set (one file per rank, ``comm_groups.json``, ``manifest.json``)."""
+    import time
+
     from stage_dse.trace.check import check_templates
 
+    cpu0 = time.process_time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mesh, templates, facts = build_trace_set(cfg)
@@ -232,9 +252,11 @@ def write_trace_set(
     warnings = group_id_warnings(mesh)
     groups = mesh.groups_json()
     (out / "comm_groups.json").write_text(json.dumps(groups))
+    files0 = time.process_time()
     total_bytes, files, worker_cpu, worker_rss = write_all_ranks(
         out, prefix, mesh, templates, executor, ranks_per_task
     )
+    files_cpu = time.process_time() - files0
     pp_stride = mesh.stride[MeshAxis.PP]
     manifest = {
         "stage_dse_version": __version__,
@@ -254,11 +276,7 @@ def write_trace_set(
         "cluster": cfg.cluster.name,
         **set_counts(mesh, templates, prefix, files, total_bytes),
         "analytic_flops_total": analytic_flops(cfg),
-        "cost_step_s": float(
-            evaluate_plan(
-                cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
-            )["step_s"]
-        ),
+        "cost_step_s": _cost_step_s(cfg),
         "pp_stride": pp_stride,
         "warnings": warnings,
         **facts,
@@ -274,4 +292,5 @@ def write_trace_set(
         warnings,
         worker_cpu,
         worker_rss,
+        time.process_time() - cpu0 - files_cpu,
     )
