@@ -22,6 +22,16 @@ on tmpfs), so system time per rank says as much about the folder as about the wr
 Each set is then replayed (:mod:`stage_dse.trace.replay`): one rank per stage, and every rank
 for the 64-rank set.
 
+Part 3, ``--stage DIR`` (a checkout of STAGE, github.com/astra-sim/symbolic_tensor_graph, run
+as its README says; it needs numpy, sympy, pandas and protobuf, and imports graphviz only to
+draw graphs, so a stand-in is put on its path when graphviz is missing): STAGE's ``main.py``
+and this package each write one set of 4,096 ranks (DP 64, TP 8, PP 8, tensor + sequence
+parallel, no weight sharding) of the same dimensions (Llama-3-70B: hidden 8192, FFN 28672, 64
+heads, 8 KV heads, vocabulary 128256) with 8 layers, sequence 1024, global batch 64 in one
+micro-batch per data-parallel rank, as whole processes (imports included) into folders under
+``--out``, alternately ``--repeat`` times; printed: CPU seconds (user + system, from
+``getrusage`` of the child) per rank of each and STAGE's / ours (medians).
+
 Run: ``python benchmarks/bench_traces.py [--skip-largest] [--compare-local] [--profile]``.
 """
 
@@ -88,6 +98,11 @@ LARGE = [
 ]
 
 
+def _setup(ts) -> float:
+    """The set's fixed cost (NaN from a version of the writer that does not report it)."""
+    return getattr(ts, "setup_cpu_s", float("nan"))
+
+
 def small_cfg(plan: dict, first: dict | None = None) -> TraceConfig:
     """A plan of the small model; ``first``: the family's first plan, whose structure it keeps."""
     fields = {**first, **plan} if first else plan
@@ -115,14 +130,14 @@ def fixed_cost(out: Path, profile: bool) -> None:
             if prof:
                 prof.disable()
             shutil.rmtree(folder)
-            setups.append(ts.setup_cpu_s)
+            setups.append(_setup(ts))
             totals.append(total)
             p = cfg.plan
             print(
                 f"  set tp={p.tp} pp={p.pp} dp={p.dp} zero={p.zero_stage} ranks={ts.ranks} "
                 f"nodes/rank={sum(ts.nodes_per_stage[0].values())} "
                 f"{'first of family' if k == 0 else 'family met'}: setup_cpu_s="
-                f"{ts.setup_cpu_s:.3f} set_cpu_s={total:.3f}"
+                f"{_setup(ts):.3f} set_cpu_s={total:.3f}"
             )
     print(
         f"fixed cost: sets={len(setups)} setup_cpu_s median={statistics.median(setups):.3f} "
@@ -138,13 +153,13 @@ COLD = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-from bench_traces import small_cfg
+from bench_traces import _setup, small_cfg
 from stage_dse.trace import write_trace_set
 cfg = small_cfg(dict(tp=2, pp=2, dp=2, zero_stage=1))
 for label in ("cold cache", "same process, family met"):
     c0 = time.process_time()
     ts = write_trace_set(cfg, Path({out!r}) / label.replace(" ", "_"))
-    print(f"  new process, {{label}}: setup_cpu_s={{ts.setup_cpu_s:.3f}} "
+    print(f"  new process, {{label}}: setup_cpu_s={{_setup(ts):.3f}} "
           f"set_cpu_s={{time.process_time() - c0:.3f}}")
 """
 
@@ -158,7 +173,12 @@ def cold_process(out: Path) -> None:
         folder = Path(tempfile.mkdtemp(dir=out))
         code = COLD.format(bench=str(Path(__file__).parent), out=str(folder))
         res = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=str(folder),  # not this checkout: "python -c" puts the working folder first
+            capture_output=True,
+            text=True,
+            check=False,
         )
         lines = res.stdout.rstrip().splitlines() or [res.stderr.strip().splitlines()[-1]]
         print(f"  [{run}]")
@@ -209,7 +229,7 @@ def large_sets(sets, out: Path, executor, compare: bool, repeat: int) -> None:
             print(
                 f"ranks={ranks} wall_s={m['wall']:.2f} cpu_s={m['cpu']:.2f} (this process user "
                 f"{m['user']:.2f} sys {m['sys']:.2f}, tasks {ts.worker_cpu_s:.2f}){ray_part} "
-                f"setup_cpu_s={ts.setup_cpu_s:.2f} cpu_ms_per_rank="
+                f"setup_cpu_s={_setup(ts):.2f} cpu_ms_per_rank="
                 f"{1e3 * (m['tree'] if use_ray else m['cpu']) / ranks:.3f} "
                 f"peak_rss_mb={m['rss']:.0f} bytes={ts.bytes} files={ts.files}"
             )
@@ -255,6 +275,93 @@ def compare_local(cfg: TraceConfig, out: Path, executor, repeat: int) -> None:
     )
 
 
+STAGE_ARGS = [
+    "--dp", "64", "--tp", "8", "--pp", "8", "--num_stacks", "8", "--batch", "64",
+    "--seq", "1024", "--dvocal", "128256", "--dmodel", "8192", "--dff", "28672",
+    "--head", "64", "--kvhead", "8", "--weight_sharded", "0", "--tpsp", "1",
+]  # fmt: skip
+OURS = """
+import time
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.spec import ParallelPlan, TrainingSpec
+from stage_dse.trace import TraceConfig, write_trace_set
+plan = ParallelPlan(dp=64, tp=8, pp=8, sequence_parallel=True, micro_batch_size=1)
+cfg = TraceConfig(
+    model=load_model("llama3_70b").replace(num_layers=8),
+    training=TrainingSpec(seq_len=1024, global_batch_size=64),
+    plan=plan, hardware=load_hardware("h100_sxm"),
+    cluster=load_cluster("dgx_h100", num_gpus=plan.num_gpus),
+)
+c0 = time.process_time()
+write_trace_set(cfg, {out!r})
+print(time.process_time() - c0)
+"""
+
+
+def _child_cpu(
+    cmd: list[str], cwd: str | None = None, env: dict | None = None
+) -> tuple[float, str]:
+    """CPU seconds (user + system) of one child process run to its end, and its output."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"{cmd[1]} failed: {tail}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return cpu, res.stdout
+
+
+def versus_stage(stage_dir: Path | None, out: Path, repeat: int) -> None:
+    """``stage_dir`` None: this package's side only."""
+    env = dict(os.environ)
+    try:
+        import graphviz  # noqa: F401
+    except ImportError:  # STAGE draws graphs with it; writing traces never calls it
+        stub = Path(tempfile.mkdtemp(dir=out))
+        (stub / "graphviz.py").write_text(
+            "class Digraph:\n    def __init__(self, *a, **k):\n"
+            "        raise RuntimeError('graphviz is not installed')\n"
+        )
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stub), env.get("PYTHONPATH")]))
+    ranks = 4096
+    cpu: dict[str, list[float]] = {"stage": [], "ours": [], "ours_in_process": []}
+    for _ in range(repeat):
+        for who in ("stage", "ours") if stage_dir else ("ours",):
+            folder = Path(tempfile.mkdtemp(dir=out))
+            if who == "stage":
+                cmd = [sys.executable, "main.py", "--output_dir", str(folder)]
+                cmd += ["--output_name", "workload.%d.et", *STAGE_ARGS]
+                c, _ = _child_cpu(cmd, cwd=str(stage_dir), env=env)
+            else:
+                # run from the output folder: "python -c" puts the working folder first on the path
+                code = OURS.format(out=str(folder))
+                c, text = _child_cpu([sys.executable, "-c", code], cwd=str(folder))
+                cpu["ours_in_process"].append(float(text.split()[-1]))
+            files = len(list(folder.glob("*.et")))
+            size = sum(f.stat().st_size for f in folder.glob("*.et"))
+            shutil.rmtree(folder, ignore_errors=True)
+            cpu[who].append(c)
+            inner = f" (write_trace_set {cpu['ours_in_process'][-1]:.2f})" if who == "ours" else ""
+            print(
+                f"  {who}: cpu_s={c:.2f}{inner} cpu_ms_per_rank={1e3 * c / ranks:.3f} "
+                f"files={files} bytes={size}"
+            )
+    ours = statistics.median(cpu["ours"])
+    inner = statistics.median(cpu["ours_in_process"])
+    line = (
+        f"at {ranks} ranks under {out}: ours {1e3 * ours / ranks:.3f} ms per rank "
+        f"(process), {1e3 * inner / ranks:.3f} (write_trace_set)"
+    )
+    if stage_dir:
+        stage = statistics.median(cpu["stage"])
+        line += (
+            f"; STAGE {1e3 * stage / ranks:.2f}: {stage / ours:.1f}x less CPU per rank "
+            f"(process), {stage / inner:.1f}x (write_trace_set) (medians of {repeat})"
+        )
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-largest", action="store_true")
@@ -263,12 +370,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile of part 1")
     parser.add_argument("--compare-local", action="store_true")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--ranks", type=int, nargs="*", help="only the large sets of these sizes")
     parser.add_argument("--out", default=tempfile.gettempdir())
+    parser.add_argument("--stage", type=Path, help="a STAGE checkout: part 3")
+    parser.add_argument("--ours-4096", action="store_true", help="part 3 without STAGE")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_traces_", dir=args.out))
     try:
         if not args.skip_fixed:
             fixed_cost(out, args.profile)
+        if args.stage or args.ours_4096:
+            versus_stage(args.stage, out, args.repeat)
         if args.skip_large:
             return
         t0 = time.perf_counter()
@@ -277,6 +389,8 @@ def main() -> None:
         print(f"ray start: {time.perf_counter() - t0:.1f} s ({cpus} CPUs)")
         try:
             sets = LARGE[:-1] if args.skip_largest else LARGE
+            if args.ranks:
+                sets = [s for s in sets if s[1].num_gpus in args.ranks]
             large_sets(sets, out, executor, args.compare_local, args.repeat)
         finally:
             executor.close()
