@@ -10,10 +10,13 @@ and rank order); and :class:`SetNumbers`, a family evaluated once at one configu
 values. A trace set therefore costs no sympy work once its family has been met: binding its
 numbers is one call of the compiled function (tens of microseconds), where substituting into
 the expressions and printing them to numpy (``sympy.lambdify``) cost 0.1-1.5 CPU-s per set.
+The expressions are kept in the compile cache (keyed by the family, this module's source and the
+cost model's), so another process or Ray worker meeting the family loads them in milliseconds.
 
 The values are those of the expressions the trace writer used before, evaluated in float64
 rather than by exact substitution: integer-valued sizes and flops are exact below 2**53 and
-rounded times agree to the microsecond (``tests/test_trace.py`` compares with substitution).
+rounded times agree to the microsecond (``tests/test_trace_numbers.py`` compares them with
+substitution).
 """
 
 from __future__ import annotations
