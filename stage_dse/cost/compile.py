@@ -364,3 +364,50 @@ def _compile_numpy(
         return out
 
     return run
+
+
+def compile_expressions(
+    exprs: Sequence[sp.Expr] | Callable[[], Sequence[sp.Expr]],
+    extra: Sequence[sp.Symbol] = (),
+    cache_tag: str | None = None,
+) -> Callable[[np.ndarray], np.ndarray]:
+    """One function of expressions outside any family (a trace's per-op numbers): rows of
+    :data:`SYMBOL_NAMES` columns, then one column per ``extra`` symbol -> (rows,
+    len(exprs)) float64. Built for few rows: symengine's interpreter of their common-
+    subexpression program (milliseconds to build, tens of microseconds a row), or without
+    symengine ``sympy.lambdify`` to numpy. Callers cache the function per family.
+
+    ``exprs`` may be a function that returns them; with ``cache_tag`` (a name unique to the
+    expressions and to the code that chooses them) the symengine expressions are kept in the
+    disk cache (:func:`cache_dir`, keyed with the cost model's source digest), so a later
+    process, or another Ray worker, loads them in about a millisecond and never calls it."""
+    se_path = None
+    if _backend() == "symengine":
+        if cache_tag is not None:
+            text = "|".join([cache_tag, _source_digest(), getattr(_se, "__version__", "")])
+            digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+            se_path = cache_dir() / f"exprs-{digest}.pkl"
+        outs = None
+        if se_path is not None and se_path.is_file():
+            try:
+                outs = pickle.loads(se_path.read_bytes())
+            except Exception:  # a stale or truncated entry is rebuilt, never trusted
+                se_path.unlink(missing_ok=True)
+        if outs is None:
+            outs = _to_symengine([], list(exprs() if callable(exprs) else exprs))
+            if se_path is not None:
+                store_pickle(se_path, outs)
+        args = _se_args() + [_se.Symbol(s.name) for s in extra]
+        fn = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
+        return _wrap(fn, len(outs))
+    exprs = list(exprs() if callable(exprs) else exprs)
+    final = sp.lambdify([*_SYMBOLS, *extra], exprs, modules="numpy", cse=True)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        out = np.empty((len(x), len(exprs)))
+        for i, v in enumerate(final(*(x[:, j] for j in range(x.shape[1])))):
+            out[:, i] = v
+        return out
+
+    return run

@@ -25,15 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
-
-from stage_dse.cost.derive import cost_key, embedding_sync_bytes
 from stage_dse.cost.recompute import recomputed_ops
-from stage_dse.cost.time import collective_time, embedding_sync_time, pipeline_hop_time
 from stage_dse.errors import ConfigError
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase
-from stage_dse.graph.transformer import build_graphs
 from stage_dse.spec import (
     ClusterSpec,
     HardwareSpec,
@@ -46,15 +41,13 @@ from stage_dse.spec import (
 )
 from stage_dse.spec.stages import stage_layer_counts
 from stage_dse.trace.mesh import EMBEDDING, Mesh
+from stage_dse.trace.numbers import SetNumbers, set_numbers
 from stage_dse.trace.program import (
     Program,
     StageTemplate,
-    config_values,
     consumed_ops,
     emit_ops,
     group_size,
-    op_numbers,
-    symbol_subs,
 )
 from stage_dse.trace.schedule import (
     pipeline_links,
@@ -88,16 +81,15 @@ class TraceConfig:
 def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     """Stage templates, the mesh with its groups, and the manifest facts of one config."""
     model, training, plan = cfg.model, cfg.training, cfg.plan
-    graphs = build_graphs(model, plan, training)
-    key = cost_key(model, plan, training)
-    all_ops = [op for g in graphs.sections for op in g.ops]
-    numbers = op_numbers(cfg, all_ops)
+    nums = set_numbers(cfg)
+    graphs, numbers = nums.graphs, nums.ops
+    key = nums.family.key
     consumed = {g: consumed_ops(g) for g in graphs.sections}
     m = plan.num_microbatches(training)
     pp, v = plan.pp, plan.virtual_stages
     layers = [sum(c) for c in stage_layer_counts(model.num_layers, pp, v, plan.stage_layers)]
-    boundary_bytes = numbers_boundary(cfg, graphs)
-    hop = hop_micros(cfg, graphs, key)
+    boundary_bytes = int(nums.named["boundary_bytes"])
+    hop = max(1, round(nums.named["hop_s"] * 1e6))
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
     partners = {g: async_partners(g) if plan.tp_dgrad_overlap else {} for g in graphs.sections}
@@ -106,7 +98,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     # times them (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets)
     step_sync = {
         g: data_buckets(
-            cfg,
+            nums,
             [
                 op
                 for op in g.ops
@@ -116,7 +108,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
         for g in graphs.sections
     }
     param_gather = {
-        g: data_buckets(cfg, [op for op in g.ops if op.phase is Phase.OPTIMIZER])
+        g: data_buckets(nums, [op for op in g.ops if op.phase is Phase.OPTIMIZER])
         for g in graphs.sections
     }
     # ZeRO-1/2 with overlap_param_gather: each layer's updated parameters are gathered under
@@ -127,10 +119,10 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     gather_early = plan.overlap_param_gather
     # ZeRO-2/3 per micro-batch: gathers before forward, regathers (recompute included) before
     # backward, reduce-scatters after backward; compute no longer waits on per-tensor gathers
-    zero_fwd = {g: data_buckets(cfg, fwd[g], only=_per_mb_data) for g in graphs.sections}
+    zero_fwd = {g: data_buckets(nums, fwd[g], only=_per_mb_data) for g in graphs.sections}
     zero_regather = {
         g: data_buckets(
-            cfg,
+            nums,
             [*rerun[g], *bwd[g]],
             only=lambda op: _per_mb_data(op) and op.coll is not CollKind.REDUCE_SCATTER,
             label="regather",
@@ -139,14 +131,14 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     }
     zero_rs = {
         g: data_buckets(
-            cfg, bwd[g], only=lambda op: _per_mb_data(op) and op.coll is CollKind.REDUCE_SCATTER
+            nums, bwd[g], only=lambda op: _per_mb_data(op) and op.coll is CollKind.REDUCE_SCATTER
         )
         for g in graphs.sections
     }
     fwd = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in fwd.items()}
     bwd = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in bwd.items()}
     rerun = {g: [op for op in ops if not _per_mb_data(op)] for g, ops in rerun.items()}
-    embedding_sync = _embedding_sync(cfg, graphs) if pp > 1 else None
+    embedding_sync = _embedding_sync(nums) if pp > 1 else None
     mesh = Mesh(plan)
     templates = []
     for s in range(pp):
@@ -232,7 +224,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
             if op.is_comm and op.frequency is Frequency.PER_STEP and op.phase is Phase.BACKWARD
         ]
         after_sync = list(prog.step_comm)
-        for b in data_buckets(cfg, replicated, data_axis=False, label="after_sync"):
+        for b in data_buckets(nums, replicated, data_axis=False, label="after_sync"):
             prog.collective_node(
                 b.name, b.coll, b.group, b.size_bytes, b.micros, False, True, after=after_sync
             )
@@ -276,15 +268,12 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     return mesh, templates, manifest
 
 
-def _embedding_sync(cfg: TraceConfig, graphs) -> tuple[int, int] | None:
+def _embedding_sync(nums: SetNumbers) -> tuple[int, int] | None:
     """(bytes, microseconds) of the tied-embedding gradient all-reduce; None when untied."""
-    if graphs.tied_head_weight is None:
+    if nums.graphs.tied_head_weight is None:
         return None
-    size = embedding_sync_bytes(graphs, cfg.training.grads_dtype.bytes)
-    seconds = embedding_sync_time(size, cfg.plan.rank_order)
-    subs = symbol_subs(config_values(cfg))
-    size_bytes = float(sp.sympify(size).xreplace(subs))
-    micros = float(sp.sympify(seconds).xreplace(subs)) * 1e6
+    size_bytes = nums.named["embedding_sync_bytes"]
+    micros = nums.named["embedding_sync_s"] * 1e6
     return round(size_bytes), max(1, round(micros))
 
 
@@ -307,30 +296,25 @@ def _per_mb_data(op) -> bool:
 
 
 def data_buckets(
-    cfg: TraceConfig, ops, only=None, label: str = "", data_axis: bool = True
+    nums: SetNumbers, ops, only=None, label: str = "", data_axis: bool = True
 ) -> list[Bucket]:
     """The data-parallel collectives among ``ops`` (those whose group holds DP; with
     ``data_axis=False`` those whose group does not) as one flat buffer per (kind, group),
     timed as the cost model times the same bucket."""
-    sizes: dict[tuple, sp.Expr] = {}
+    sizes: dict[tuple, float] = {}
     first: dict[tuple, str] = {}
     for op in ops:
         if not (op.is_comm and (MeshAxis.DP in op.group) == data_axis) or (only and not only(op)):
             continue
         k = (op.coll, op.group)
-        sizes[k] = sizes.get(k, sp.Integer(0)) + op.comm_bytes
+        sizes[k] = sizes.get(k, 0.0) + nums.comm_bytes(op)
         first.setdefault(k, op.name.split(":", 1)[-1])
-    if not sizes:
-        return []
-    subs = symbol_subs(config_values(cfg))
     out = []
-    for (coll, group), size in sizes.items():
-        seconds = collective_time(coll, group, size, cfg.plan.rank_order)
-        b = float(sp.sympify(size).xreplace(subs))
-        t = float(sp.sympify(seconds).xreplace(subs))
-        n = group_size(cfg.plan, group)
+    for (coll, group), b in sizes.items():
+        n = group_size(nums.plan, group)
         if n == 1:
             continue  # a one-rank group moves nothing
+        t = nums.bucket_seconds(coll, group, b)
         trace_bytes = b / n if coll is CollKind.ALL_GATHER else b
         name = f"{coll.value}:{label + ':' if label else ''}{first[(coll, group)]}..(flat)"
         out.append(
@@ -353,38 +337,25 @@ def issue(prog, buckets: list[Bucket], per_step: bool = False, after: list[int] 
     return nids
 
 
-def hop_micros(cfg: TraceConfig, graphs, key) -> int:
-    """The cost model's time for one stage-boundary crossing, in whole microseconds."""
-    seconds = pipeline_hop_time(graphs.boundary.local_bytes, key)
-    return max(1, round(float(sp.sympify(seconds).xreplace(symbol_subs(config_values(cfg)))) * 1e6))
+def numbers_boundary(cfg: TraceConfig, graphs=None) -> int:
+    """Bytes of the activation that crosses a stage boundary (per micro-batch)."""
+    return int(set_numbers(cfg).named["boundary_bytes"])
 
 
-def numbers_boundary(cfg: TraceConfig, graphs) -> int:
-    return int(graphs.boundary.local_bytes.xreplace(symbol_subs(config_values(cfg))))
-
-
-def analytic_flops(cfg: TraceConfig) -> int:
+def analytic_flops(cfg: TraceConfig, nums: SetNumbers | None = None) -> int:
     """Sum over all GPUs of their per-step flops, from the cost layer's per-section totals."""
-    from stage_dse.cost.derive import section_costs
-
-    graphs = build_graphs(cfg.model, cfg.plan, cfg.training)
-    mode = cfg.plan.recompute
-    subs = symbol_subs(config_values(cfg))
-
-    def num(e) -> float:
-        return float(sp.sympify(e).xreplace(subs))
-
-    def per_layer(graph) -> float:
-        sc = section_costs(graph)
-        return num(sc.compute_flops[mode]) * m + num(sc.optimizer_flops)
-
+    named = (nums or set_numbers(cfg)).named
     m = cfg.plan.num_microbatches(cfg.training)
-    emb = per_layer(graphs.embed)
-    head_sc = section_costs(graphs.head, graphs.tied_head_weight)
-    head = num(head_sc.compute_flops[mode]) * m + num(head_sc.optimizer_flops)
-    block = per_layer(graphs.block)
-    dense = per_layer(graphs.dense) if graphs.dense is not None else 0.0
-    n_dense = cfg.model.num_dense_layers if graphs.dense is not None else 0
+
+    def per_layer(section: str) -> float:
+        return named[f"{section}_compute_flops"] * m + named[f"{section}_optimizer_flops"]
+
+    emb = per_layer("embed")
+    head = per_layer("head")
+    block = per_layer("block")
+    has_dense = "dense_compute_flops" in named
+    dense = per_layer("dense") if has_dense else 0.0
+    n_dense = cfg.model.num_dense_layers if has_dense else 0
     n_block = cfg.model.num_layers - n_dense
     ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
     # every stage's ranks run their layers; summed over stages that is every layer once

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from enum import IntEnum
+from functools import lru_cache
 from pathlib import Path
 
 __all__ = [
@@ -49,7 +50,7 @@ class CollType(IntEnum):
 SUPPORTED_COLLECTIVES = frozenset(int(c) for c in CollType)
 
 
-def varint(n: int) -> bytes:
+def _varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
     out = bytearray()
@@ -58,6 +59,19 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL = 1 << 14
+_VARINTS = [bytes([n]) for n in range(0x80)] + [
+    bytes([(n & 0x7F) | 0x80, n >> 7]) for n in range(0x80, _SMALL)
+]
+"""Encodings of 0 .. 2**14 - 1 (one or two bytes): node ids, dependencies, most sizes."""
+
+
+def varint(n: int) -> bytes:
+    if 0 <= n < _SMALL:
+        return _VARINTS[n]
+    return _varint(n)
 
 
 def _key(field: int, wire: int) -> bytes:
@@ -73,22 +87,31 @@ def _attr(name: str, field: int, wire: int, payload: bytes) -> bytes:
     return _len_field(10, body)
 
 
+# attribute values repeat within a set (sizes, types, flags): encoded once each
+_CACHE = 1 << 16
+
+
+@lru_cache(maxsize=_CACHE)
 def attr_bool(name: str, value: bool) -> bytes:
     return _attr(name, 27, 0, varint(int(value)))
 
 
+@lru_cache(maxsize=_CACHE)
 def attr_int32(name: str, value: int) -> bytes:
     return _attr(name, 7, 0, varint(value))
 
 
+@lru_cache(maxsize=_CACHE)
 def attr_int64(name: str, value: int) -> bytes:
     return _attr(name, 9, 0, varint(value))
 
 
+@lru_cache(maxsize=_CACHE)
 def attr_uint64(name: str, value: int) -> bytes:
     return _attr(name, 13, 0, varint(value))
 
 
+@lru_cache(maxsize=_CACHE)
 def attr_string(name: str, value: str) -> bytes:
     data = value.encode()
     return _attr(name, 29, 2, varint(len(data)) + data)
@@ -97,7 +120,16 @@ def attr_string(name: str, value: str) -> bytes:
 def _packed(field: int, values: list[int]) -> bytes:
     if not values:
         return b""
-    return _len_field(field, b"".join(varint(v) for v in values))
+    return _len_field(field, b"".join(map(varint, values)))
+
+
+@lru_cache(maxsize=_CACHE)
+def _name_field(name: str) -> bytes:
+    return _len_field(2, name.encode())
+
+
+_ID_KEY, _DURATION_KEY = _key(1, 0), _key(7, 0)
+_TYPE_FIELD = {t: _key(3, 0) + varint(int(t)) for t in NodeType}
 
 
 def node(
@@ -110,17 +142,18 @@ def node(
     attrs: bytes = b"",
 ) -> bytes:
     """Serialized ``Node`` (fields in number order, as protobuf writes them)."""
-    out = b""
-    if node_id:
-        out += _key(1, 0) + varint(node_id)
+    parts = [_ID_KEY + varint(node_id)] if node_id else []
     if name:
-        out += _len_field(2, name.encode())
-    out += _key(3, 0) + varint(int(node_type))
-    out += _packed(4, list(ctrl_deps))
-    out += _packed(5, list(data_deps))
+        parts.append(_name_field(name))
+    parts.append(_TYPE_FIELD.get(node_type) or _key(3, 0) + varint(int(node_type)))
+    if ctrl_deps:
+        parts.append(_packed(4, list(ctrl_deps)))
+    if data_deps:
+        parts.append(_packed(5, list(data_deps)))
     if duration_micros:
-        out += _key(7, 0) + varint(duration_micros)
-    return out + attrs
+        parts.append(_DURATION_KEY + varint(duration_micros))
+    parts.append(attrs)
+    return b"".join(parts)
 
 
 def metadata(version: str = SCHEMA_VERSION) -> bytes:

@@ -26,19 +26,22 @@ issued before the GEMM they run under, which does not wait for them (the cost mo
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import sympy as sp
 
 from stage_dse.cost.bind import bind, bind_hardware
-from stage_dse.cost.time import _compute_time, collective_time
+from stage_dse.cost.compile import compile_expressions
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind
 from stage_dse.graph.symbols import Symbols
 from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
+from stage_dse.trace.numbers import OpNumbers, op_expressions, op_table, symbol_row
 
 __all__ = [
     "COLL_TYPE",
@@ -66,14 +69,6 @@ COLL_TYPE = {
 }
 
 
-@dataclass
-class OpNumbers:
-    flops: int
-    bytes: int
-    comm_bytes: int
-    micros: int
-
-
 def config_values(cfg) -> dict[str, float]:
     """Every symbol's value for one trace configuration (model, step, plan, hardware)."""
     return {**bind(cfg.model, cfg.training, cfg.plan), **bind_hardware(cfg.hardware, cfg.cluster)}
@@ -84,26 +79,18 @@ def symbol_subs(values: dict[str, float]) -> dict[sp.Symbol, float]:
 
 
 _NUMBER_FNS: dict[tuple, tuple[list[Op], object]] = {}
-"""Lambdified numbers of an op list, by its ops' identities, rank order and symbols: graphs are
-cached per plan structure (:func:`stage_dse.graph.transformer.build_graphs`), so the sets of
-a farm or a selection that share one reuse its function (printing it is most of a set's
-cost); the ops are kept with it so an identity is never reused by another list."""
+"""Compiled numbers of an op list, by its ops' identities and rank order: graphs are cached per
+plan structure (:func:`stage_dse.graph.transformer.build_graphs`), so the sets of a farm or a
+selection that share one reuse its function; the ops are kept with it so an identity is never
+reused by another list. (Training sets take theirs from :mod:`stage_dse.trace.numbers`.)"""
 
 
-def _number_fn(ops: list[Op], order, args: list) -> object:
-    key = (tuple(id(op) for op in ops), tuple(order), tuple(args))
+def _number_fn(ops: list[Op], order) -> object:
+    key = (tuple(id(op) for op in ops), tuple(order))
     hit = _NUMBER_FNS.get(key)
     if hit is not None and len(hit[0]) == len(ops) and all(a is b for a, b in zip(hit[0], ops)):
         return hit[1]
-    exprs = []
-    for op in ops:
-        t = (
-            collective_time(op.coll, op.group, op.comm_bytes, order)
-            if op.is_comm
-            else _compute_time(op)
-        )
-        exprs.extend([op.flops, op.bytes, op.comm_bytes, t])
-    fn = sp.lambdify(args, exprs, modules="numpy")
+    fn = compile_expressions(op_expressions(ops, order))
     if len(_NUMBER_FNS) >= 64:
         _NUMBER_FNS.pop(next(iter(_NUMBER_FNS)))
     _NUMBER_FNS[key] = (list(ops), fn)
@@ -111,14 +98,10 @@ def _number_fn(ops: list[Op], order, args: list) -> object:
 
 
 def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNumbers]:
-    subs = symbol_subs(config_values(cfg) if values is None else values)
-    args = list(subs)
-    fn = _number_fn(ops, cfg.plan.rank_order, args)
-    vals = np.asarray(fn(*[subs[a] for a in args]), dtype=np.float64).reshape(len(ops), 4)
-    out = {}
-    for op, (f, b, c, t) in zip(ops, vals):
-        out[id(op)] = OpNumbers(round(f), round(b), round(c), max(1, round(t * 1e6)))
-    return out
+    """Flops, bytes, collective bytes and microseconds of each op (by identity) at one
+    configuration's symbol values."""
+    row = symbol_row(config_values(cfg) if values is None else values)
+    return op_table(ops, _number_fn(ops, cfg.plan.rank_order)(row)[0])
 
 
 @dataclass
@@ -140,6 +123,28 @@ class StageTemplate:
     gathered_bytes: int = 0
     """Bytes all-gathers produce on one rank, from the graph (the checker compares the trace's
     per-rank sizes times group sizes with it)."""
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Identifies the template across processes (the writer's tasks keep prepared stamps)."""
+
+
+@lru_cache(maxsize=1 << 16)
+def _comp_attrs(flops: int, size: int) -> bytes:
+    return (
+        enc.attr_bool("is_cpu_op", False)
+        # a kernel without flops (a lookup, a copy) carries one operation so that a
+        # roofline simulator times it by its bytes instead of dividing 0 by 0
+        + enc.attr_int64("num_ops", max(flops, MEMORY_ONLY_OPS))
+        + enc.attr_uint64("tensor_size", max(size, 1))
+    )
+
+
+@lru_cache(maxsize=1 << 16)
+def _coll_attrs(coll: CollKind, comm_bytes: int) -> bytes:
+    return (
+        enc.attr_bool("is_cpu_op", False)
+        + enc.attr_int64("comm_type", int(COLL_TYPE[coll]))
+        + enc.attr_int64("comm_size", comm_bytes)
+    )
 
 
 class Program:
@@ -162,7 +167,15 @@ class Program:
         self.flops = 0
         self.gathered = 0
         self.kinds: set = set()
-        self.group_size = lambda group: group_size(cfg.plan, group)
+        sizes: dict = {}
+
+        def size_of(group) -> int:
+            n = sizes.get(group)
+            if n is None:
+                n = sizes[group] = group_size(cfg.plan, group)
+            return n
+
+        self.group_size = size_of
 
     def template(self, stage: int) -> StageTemplate:
         """The finished program of pipeline stage ``stage``."""
@@ -199,13 +212,7 @@ class Program:
             if len(self.segment) == 1
             else f"{self.segment[0].name}..{self.segment[-1].name}"
         )
-        attrs = (
-            enc.attr_bool("is_cpu_op", False)
-            # a kernel without flops (a lookup, a copy) carries one operation so that a
-            # roofline simulator times it by its bytes instead of dividing 0 by 0
-            + enc.attr_int64("num_ops", max(flops, MEMORY_ONLY_OPS))
-            + enc.attr_uint64("tensor_size", max(size, 1))
-        )
+        attrs = _comp_attrs(flops, size)
         self.pieces.append(
             Piece(
                 enc.node(
@@ -259,11 +266,7 @@ class Program:
             deps.append(self.pending_comm[-1])
         deps.extend(d for d in after if d not in deps)
         nid = self._new_id()
-        attrs = (
-            enc.attr_bool("is_cpu_op", False)
-            + enc.attr_int64("comm_type", int(COLL_TYPE[coll]))
-            + enc.attr_int64("comm_size", comm_bytes)
-        )
+        attrs = _coll_attrs(coll, comm_bytes)
         prefix = enc.node(
             nid,
             name,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 from stage_dse import __version__
 from stage_dse.cost.bind import evaluate_plan
+from stage_dse.cost.compile import LLVM_MIN_ROWS, family_for
+from stage_dse.cost.derive import cost_key
 from stage_dse.errors import ConfigError
 from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
@@ -37,7 +40,7 @@ class _Stamp:
     """A stage template prepared for stamping: its distinct per-rank slots, the slot of each
     slotted node in order, and per combination of slot-value lengths the constant bytes between
     slotted values (fixed nodes framed and joined; a slotted node's length prefix depends only
-    on the length of its value)."""
+    on the length of its value), kept as one bytes format per combination."""
 
     def __init__(self, template: StageTemplate) -> None:
         self.slots: list = []
@@ -56,31 +59,45 @@ class _Stamp:
             self.pieces.append((b"".join(fixed), piece.prefix))
             fixed = []
         self.tail = b"".join(fixed)
-        self.by_lengths: dict[tuple[int, ...], list[bytes]] = {}
+        self.formats: dict[tuple, bytes] = {}
+        # the slotted values of a rank in node order, picked in one C call
+        self.pick = (lambda v: ()) if not self.seq else _picker(self.seq)
 
-    def constants(self, lengths: tuple[int, ...]) -> list[bytes]:
-        got = self.by_lengths.get(lengths)
+    def format(self, header: bytes, lengths: tuple[int, ...]) -> bytes:
+        """The file as a bytes format: constants with ``%b`` where each slotted value goes
+        (filled in one C call per rank)."""
+        got = self.formats.get((header, lengths))
         if got is None:
-            got = [
+            consts = [
                 before + enc.varint(len(prefix) + lengths[k]) + prefix
                 for (before, prefix), k in zip(self.pieces, self.seq)
             ]
-            got.append(self.tail)
-            self.by_lengths[lengths] = got
+            consts.append(self.tail)
+            consts[0] = header + consts[0]
+            got = b"%b".join(c.replace(b"%", b"%%") for c in consts)
+            self.formats[(header, lengths)] = got
         return got
 
 
-_STAMPS: dict[int, tuple[StageTemplate, _Stamp]] = {}
+def _picker(seq: list[int]):
+    pick = itemgetter(*seq)
+    if len(seq) == 1:
+        return lambda values: (pick(values),)
+    return pick
+
+
+_STAMPS: dict[str, _Stamp] = {}
+"""Prepared stamps by template id: a Ray worker keeps them across the tasks of a set (each
+task receives its own copy of the templates)."""
 
 
 def _stamp(template: StageTemplate) -> _Stamp:
-    hit = _STAMPS.get(id(template))
-    if hit is not None and hit[0] is template:
-        return hit[1]
+    st = _STAMPS.get(template.uid)
+    if st is not None:
+        return st
     if len(_STAMPS) > 64:  # templates of earlier sets
         _STAMPS.clear()
-    st = _Stamp(template)
-    _STAMPS[id(template)] = (template, st)
+    st = _STAMPS[template.uid] = _Stamp(template)
     return st
 
 
@@ -94,11 +111,7 @@ def _rank_bytes(template: StageTemplate, mesh: Mesh, rank: int, header: bytes) -
             values.append(enc.attr_int32("comm_dst" if send else "comm_src", peer))
         else:
             values.append(enc.attr_string("pg_name", str(mesh.group_id(slot, rank))))
-    consts = st.constants(tuple(len(b) for b in values))
-    parts = [b""] * (2 * len(st.seq) + 1)
-    parts[0::2] = consts
-    parts[1::2] = [values[k] for k in st.seq]
-    return header + b"".join(parts), len(template.pieces)
+    return st.format(header, tuple(len(b) for b in values)) % st.pick(values), len(template.pieces)
 
 
 def write_ranks(
@@ -113,12 +126,17 @@ def write_ranks(
     header = enc.frame(enc.metadata())
     total = 0
     pp_stride = mesh.stride[MeshAxis.PP]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
     for rank in range(lo, hi):
         stage = (rank // pp_stride) % mesh.degree[MeshAxis.PP]
         data, _ = _rank_bytes(templates[stage], mesh, rank, header)
-        path = os.path.join(out, f"{prefix}.{rank}.et")
-        with open(path, "wb") as fh:
-            fh.write(data)
+        fd = os.open(os.path.join(out, f"{prefix}.{rank}.et"), flags, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         total += len(data)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return total, hi - lo, time.process_time() - cpu0, rss_mib
@@ -167,6 +185,9 @@ class TraceSet:
     worker_cpu_s: float = 0.0
     """CPU seconds spent in executor tasks (0 when written in this process)."""
     worker_peak_rss_mib: float = 0.0
+    setup_cpu_s: float = 0.0
+    """CPU seconds of this process outside the rank files: templates, checks, groups, manifest
+    (the writer's fixed cost per set)."""
 
 
 def group_id_warnings(mesh: Mesh) -> list[str]:
@@ -196,6 +217,18 @@ def set_counts(
     }
 
 
+def _cost_step_s(cfg: TraceConfig) -> float:
+    """The cost model's step time of the set's configuration, from the family's compiled code:
+    every set of a family, in every process and Ray worker that writes one, needs it, so the
+    family is asked for as for :data:`LLVM_MIN_ROWS` rows (compiled once, kept in the disk
+    cache, loaded in milliseconds afterwards) rather than derived again per process."""
+    family_for(cost_key(cfg.model, cfg.plan, cfg.training), rows=LLVM_MIN_ROWS)
+    step = evaluate_plan(
+        cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
+    )["step_s"]
+    return float(step)
+
+
 def write_trace_set(
     cfg: TraceConfig,
     out: str | os.PathLike,
@@ -205,8 +238,11 @@ def write_trace_set(
     config_hash: str = "",
 ) -> TraceSet:
     """Write a full trace set (one file per rank, ``comm_groups.json``, ``manifest.json``)."""
+    import time
+
     from stage_dse.trace.check import check_templates
 
+    cpu0 = time.process_time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mesh, templates, facts = build_trace_set(cfg)
@@ -216,9 +252,11 @@ def write_trace_set(
     warnings = group_id_warnings(mesh)
     groups = mesh.groups_json()
     (out / "comm_groups.json").write_text(json.dumps(groups))
+    files0 = time.process_time()
     total_bytes, files, worker_cpu, worker_rss = write_all_ranks(
         out, prefix, mesh, templates, executor, ranks_per_task
     )
+    files_cpu = time.process_time() - files0
     pp_stride = mesh.stride[MeshAxis.PP]
     manifest = {
         "stage_dse_version": __version__,
@@ -238,11 +276,7 @@ def write_trace_set(
         "cluster": cfg.cluster.name,
         **set_counts(mesh, templates, prefix, files, total_bytes),
         "analytic_flops_total": analytic_flops(cfg),
-        "cost_step_s": float(
-            evaluate_plan(
-                cfg.model, cfg.training, cfg.plan, hardware=cfg.hardware, cluster=cfg.cluster
-            )["step_s"]
-        ),
+        "cost_step_s": _cost_step_s(cfg),
         "pp_stride": pp_stride,
         "warnings": warnings,
         **facts,
@@ -258,4 +292,5 @@ def write_trace_set(
         warnings,
         worker_cpu,
         worker_rss,
+        time.process_time() - cpu0 - files_cpu,
     )
