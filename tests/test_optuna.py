@@ -206,3 +206,19 @@ def test_a_space_without_valid_plans_is_refused():
     spec = replace(tiny_spec(gpus=(16,)), space=SearchSpace(tp=(3,)))
     with pytest.raises(ConfigError, match=r"no valid plan for any of num_gpus=\[16\].*tp\*pp\*cp"):
         optuna_space(spec, OptunaSpec())
+
+
+def test_a_resumed_study_may_widen_its_space(tmp_path):
+    """Parameters are named by the values they offer, so rerunning the study with more GPU
+    counts adds parameters instead of failing on changed choices, and stores no repeat."""
+    store = tmp_path / "w"
+    quiet = {"progress": False, "log": lambda _: None}
+    first = OptunaSpec(n_trials=16, batch_size=8, seed=4)
+    run_optuna(tiny_spec(gpus=(16,)), first, LocalExecutor(), ResultStore(store), **quiet)
+    wider = OptunaSpec(n_trials=40, batch_size=8, seed=4)
+    run_optuna(tiny_spec(gpus=(16, 32)), wider, LocalExecutor(), ResultStore(store), **quiet)
+    df = load(store)
+    assert len(df) == 40 and df["config_hash"].is_unique
+    assert set(df["num_gpus"]) == {16, 32}
+    names = {k for t in study_of(store, "tiny").trials for k in t.params}
+    assert "num_gpus[16,32]" in names

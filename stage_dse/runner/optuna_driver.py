@@ -134,6 +134,7 @@ class _Study:
         self.space, self.progress, self.log = space, progress, log
         self.objectives = list(search.objectives)
         self.states: Counter = Counter()
+        self.origins: Counter = Counter()
         self.rng = np.random.default_rng(int(search.seed))
         self.measured_gpu = None
         if spec.timing == "measured":
@@ -208,6 +209,11 @@ class _Study:
                     f"  trials {len(study.trials)}: "
                     + ", ".join(f"{k} {v}" for k, v in self.states.items())
                 )
+        if self.origins:
+            log(
+                "  trials asked by origin: "
+                + ", ".join(f"{k} {v}" for k, v in self.origins.items())
+            )
         if self.stop:
             log(f"  {self.stop}; stopped with {remaining:,} of search.n_trials left")
         report.trial_states = self.states
@@ -232,16 +238,17 @@ class _Study:
             sampled = False
             if step == 0 and (choices := self._local(int(k * LOCAL_SHARE), batch_hashes)):
                 trials = self._enqueued(choices)
-                self.states["new (one step from the best)"] += len(choices)
+                self.origins["one step from the best"] += len(choices)
             elif fill:
                 choices = self._unseen(short, batch_hashes)
                 if not choices:
                     break
                 trials = self._enqueued(choices)
-                self.states["new (drawn from unseen)"] += len(choices)
+                self.origins["drawn uniformly from the unseen"] += len(choices)
             else:
                 trials = [self.study.ask() for _ in range(short)]
                 choices = [self.space.suggest(t) for t in trials]
+                self.origins[f"{self.sampler_kind} sampler"] += len(choices)
                 sampled = True
             table = self._table(choices)
             new = []

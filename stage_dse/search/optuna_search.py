@@ -11,10 +11,11 @@ the choices made so far, so every trial is a valid plan of the enumeration (same
 same config hash as the grid sweep's row). An axis left with one value is not a parameter.
 
 Optuna's categorical parameters keep their choices for the whole study, so a parameter is named
-by the values it offers: ``tp`` when every tp value of the space is offered, ``tp[1,2,4]`` when
-the GPU count or earlier choices leave those three. Trials that met the same restriction share
-one parameter and its statistics. What does not live here: the study, evaluation, results (the
-driver, :mod:`stage_dse.runner.optuna_driver`).
+by the values it offers: ``tp[1,2,4,8]``, or ``tp[1,2,4]`` where the GPU count or earlier
+choices leave those three. Trials that met the same restriction share one parameter and its
+statistics, and a resumed study whose space was edited (more GPU counts, another axis value)
+gains parameters instead of failing on changed choices. What does not live here: the study,
+evaluation, results (the driver, :mod:`stage_dse.runner.optuna_driver`).
 """
 
 from __future__ import annotations
@@ -70,10 +71,9 @@ class Choice:
     position: int
 
 
-def _name(axis: str, values: list, full: list) -> str:
-    if values == full:
-        return axis
-    return f"{axis}[{','.join(str(v) for v in values)}]"
+def _name(axis: str, values: list) -> str:
+    """A parameter's name: the axis and the values offered (``tp[1,2,4]``)."""
+    return f"{axis}[{','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in values)}]"
 
 
 class OptunaSpace:
@@ -143,8 +143,8 @@ class OptunaSpace:
         """Choose the GPU count, co-design values and plan axes in order, offering each axis
         only the values that keep at least one valid plan."""
         gpus = sorted(self.grids)
-        g = int(pick("num_gpus", gpus)) if len(gpus) > 1 else gpus[0]
-        design = {k: (pick(k, v) if len(v) > 1 else v[0]) for k, v in self.codesign.items()}
+        g = int(self._pick(pick, "num_gpus", gpus))
+        design = {k: self._pick(pick, k, v) for k, v in self.codesign.items()}
         grid = self.grids[g]
         sub = grid.ok
         triples = np.arange(len(grid.triples))
@@ -189,7 +189,7 @@ class OptunaSpace:
     def _pick(self, pick: Pick, axis: str, offered: list):
         if len(offered) == 1:
             return offered[0]
-        return pick(_name(axis, offered, self.full[axis]), offered)
+        return pick(_name(axis, offered), offered)
 
     def params(self, choice: Choice) -> dict[str, object]:
         """The trial parameters that lead :meth:`walk` to ``choice`` (for ``enqueue_trial``)."""
