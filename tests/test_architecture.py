@@ -38,6 +38,20 @@ def test_lower_layers_import_neither_config_nor_cli(layer):
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
 
 
+def test_search_imports_nothing_below_it():
+    """``search/`` (spaces, enumeration, what a sampler may choose) sits above the drivers:
+    it reads specs and cost columns and never imports ``runner/`` (the Optuna driver lives
+    there beside the sweep drivers), ``results/``, ``trace/`` or ``validation/``."""
+    allowed = ("search", "cost", "graph", "spec", "errors")
+    for path in sorted((PACKAGE / "search").glob("*.py")):
+        bad = {
+            m
+            for m in _imports(path)
+            if m.startswith("stage_dse.") and m.split(".")[1] not in allowed
+        }
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
 def test_symbolic_layer_does_no_io():
     for layer in ("graph", "spec"):
         for path in sorted((PACKAGE / layer).glob("*.py")):

@@ -207,7 +207,7 @@ def run(cfg: DictConfig) -> int:
     )
     try:
         if search is not None:
-            from stage_dse.search.optuna_search import run_optuna
+            from stage_dse.runner.optuna_driver import run_optuna
 
             report = run_optuna(spec, search, executor, store, progress=cfg.runner.progress)
         else:

@@ -173,7 +173,7 @@ class SearchConf:
     kind: str = "grid"
     """grid: every valid plan; optuna: sample the space (see the optuna preset)."""
     n_trials: int = 1000
-    batch_size: int = 256
+    batch_size: int = 64
     sampler: str = "tpe"
     objectives: list[str] = field(default_factory=lambda: ["step_s"])
     seed: int = 0

@@ -32,7 +32,7 @@ from stage_dse.spec import (
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
 
-__all__ = ["Enumeration", "SearchSpace", "divisors", "enumerate_plans"]
+__all__ = ["Enumeration", "PlanGrid", "SearchSpace", "divisors", "enumerate_plans", "plan_grid"]
 
 Axis = Sequence[int] | str
 
@@ -73,28 +73,115 @@ class Enumeration:
         return pd.DataFrame() if self.columns is None else self.columns.frame()
 
 
-def enumerate_plans(
-    model: ModelSpec,
-    training: TrainingSpec,
-    hardware: HardwareSpec,
-    cluster: ClusterSpec,
-    space: SearchSpace,
-    num_gpus: int | None = None,
-    rows: slice | None = None,
-    count_only: bool = False,
-) -> Enumeration:
-    """Every valid plan of ``space`` on exactly ``num_gpus`` GPUs (default: the whole cluster).
+@dataclass
+class PlanGrid:
+    """The candidate plans of one model, training step, space and GPU count as a grid (one
+    dimension per plan axis; the (tp, pp, cp) triples that divide the GPU count share one
+    dimension) and its validity mask ``ok``, built from the divisibility rules of
+    :func:`stage_dse.spec.validate_plan` as broadcast masks. Flat positions into the grid name
+    plans: :meth:`columns` turns any of them into plan columns, so the enumeration and a
+    sampler that picks cells of ``ok`` produce the same rows."""
 
-    The candidates form a grid with one dimension per plan axis (the (tp, pp, cp) triples that
-    divide the GPU count share one dimension); each rule is evaluated on the few dimensions it
-    reads and broadcast over the rest, so no candidate-sized column is built. Plans come in a
-    fixed order with the structural axes outermost, so each compiled family is a contiguous
-    run of rows. ``rows`` keeps a slice of the valid plans, so batches of one enumeration can
-    be rebuilt anywhere; ``count_only`` skips building the columns.
+    model: ModelSpec
+    training: TrainingSpec
+    space: SearchSpace
+    num_gpus: int
+    axes: dict[str, list]
+    """Axis name -> its values, in grid-dimension order (``triple``: (tp, pp, cp) tuples)."""
+    triples: np.ndarray
+    """``(len(axes["triple"]), 3)`` int64: tp, pp, cp of each triple."""
+    split_values: dict[str, np.ndarray]
+    """Stage symbols of every (virtual_stages, triple, stage_layers) cell."""
+    ok: np.ndarray
+    """Validity of every candidate, shaped like the grid."""
+    candidates: int
+    rejected: Counter = field(default_factory=Counter)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ok.shape
+
+    def dim(self, name: str) -> int:
+        return list(self.axes).index(name)
+
+    @cached_property
+    def valid(self) -> int:
+        return int(np.count_nonzero(self.ok))
+
+    @cached_property
+    def valid_positions(self) -> np.ndarray:
+        """Flat positions of the valid plans, in enumeration order."""
+        return np.flatnonzero(self.ok)
+
+    def columns(self, sel: np.ndarray, hardware: HardwareSpec, cluster: ClusterSpec) -> PlanColumns:
+        """Plan columns of the grid cells at flat positions ``sel`` (valid ones: callers pick
+        them from ``ok``), bound to ``hardware`` and ``cluster``."""
+        model, training, space, axes, tri = (
+            self.model,
+            self.training,
+            self.space,
+            self.axes,
+            self.triples,
+        )
+        at = dict(zip(axes, np.unravel_index(np.asarray(sel, dtype=np.int64), self.shape)))
+
+        def values(name: str, dtype=np.int64) -> np.ndarray:
+            return np.asarray(axes[name], dtype=dtype)[at[name]]
+
+        def labels(name: str) -> pd.Categorical:
+            return pd.Categorical.from_codes(at[name], categories=axes[name])
+
+        t_tp, t_pp, t_cp = (tri[at["triple"], j] for j in range(3))
+        v_sel = values("virtual_stages")
+        columns: dict[str, object] = {
+            **model_columns(model, training),
+            "hardware": hardware.name,
+            "cluster": cluster.name,
+            **model_values(model, training),
+            **bind_hardware(hardware, cluster),
+            "overlap_grad_reduce": space.overlap_grad_reduce,
+            "overlap_param_gather": space.overlap_param_gather,
+            "tp_comm_overlap": space.tp_comm_overlap,
+            "tp_dgrad_overlap": space.tp_dgrad_overlap,
+            "ep_comm_overlap": space.ep_comm_overlap,
+            "zero_sync_per_tensor": False,
+            "num_gpus": self.num_gpus,
+            "dp": self.num_gpus // (t_tp * t_pp * t_cp),
+            "tp": t_tp,
+            "pp": t_pp,
+            "cp": t_cp,
+            "micro_batch": values("micro_batch"),
+            "virtual_stages": v_sel,
+            "stage_layers": labels("stage_layers"),
+            **{
+                name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
+                for name, x in self.split_values.items()
+            },
+            "ep": values("ep"),
+            "expert_tensor_parallel": values("expert_tensor_parallel", bool),
+            "sequence_parallel": values("sequence_parallel", bool),
+            "zero_stage": values("zero_stage"),
+            "recompute": labels("recompute"),
+            "attention": labels("attention"),
+            "schedule": pd.Categorical.from_codes(
+                (v_sel > 1).astype(np.int8), categories=["1f1b", "interleaved"]
+            ),
+            "rank_order": labels("rank_order"),
+        }
+        return PlanColumns(len(at["triple"]), columns)
+
+
+def plan_grid(
+    model: ModelSpec, training: TrainingSpec, space: SearchSpace, num_gpus: int
+) -> PlanGrid:
+    """The candidate grid of ``space`` on exactly ``num_gpus`` GPUs and which of its plans are
+    valid, with how many were rejected by which rule (the first rule a plan breaks).
+
+    Each rule is evaluated on the few dimensions it reads and broadcast over the rest, so no
+    candidate-sized column is built. The structural axes are the outer dimensions, so each
+    compiled family is a contiguous run of valid plans in flat order.
     """
-    n = cluster.num_gpus if num_gpus is None else num_gpus
-    if n > cluster.num_gpus:
-        raise ConfigError(f"num_gpus({n}) > cluster.num_gpus({cluster.num_gpus})")
+    n = num_gpus
     tps, pps, cps = (space.degrees(k, n) for k in ("tp", "pp", "cp"))
     # degree triples first: most of the cartesian product fails tp*pp*cp | n
     triples = [(t, p, c) for t in tps for p in pps for c in cps if n % (t * p * c) == 0]
@@ -195,58 +282,51 @@ def enumerate_plans(
         if count:
             rejected[text] += count
             ok &= ~hit
-    sel = np.flatnonzero(ok)
-    valid = len(sel)
+    return PlanGrid(
+        model=model,
+        training=training,
+        space=space,
+        num_gpus=n,
+        axes=axes,
+        triples=tri,
+        split_values=split_values,
+        ok=ok,
+        candidates=total,
+        rejected=rejected,
+    )
+
+
+def enumerate_plans(
+    model: ModelSpec,
+    training: TrainingSpec,
+    hardware: HardwareSpec,
+    cluster: ClusterSpec,
+    space: SearchSpace,
+    num_gpus: int | None = None,
+    rows: slice | None = None,
+    count_only: bool = False,
+) -> Enumeration:
+    """Every valid plan of ``space`` on exactly ``num_gpus`` GPUs (default: the whole cluster).
+
+    The valid cells of :func:`plan_grid`, in its fixed order (structural axes outermost, so
+    each compiled family is a contiguous run of rows). ``rows`` keeps a slice of the valid
+    plans, so batches of one enumeration can be rebuilt anywhere; ``count_only`` skips building
+    the columns.
+    """
+    n = cluster.num_gpus if num_gpus is None else num_gpus
+    if n > cluster.num_gpus:
+        raise ConfigError(f"num_gpus({n}) > cluster.num_gpus({cluster.num_gpus})")
+    grid = plan_grid(model, training, space, n)
     if count_only:
-        return Enumeration(columns=None, candidates=total, rejected=rejected, valid=valid)
+        return Enumeration(
+            columns=None, candidates=grid.candidates, rejected=grid.rejected, valid=grid.valid
+        )
+    sel = grid.valid_positions
     if rows is not None:
         sel = sel[rows]
-    k = len(sel)
-    at = dict(zip(axes, np.unravel_index(sel, shape)))
-
-    def values(name: str, dtype=np.int64) -> np.ndarray:
-        return np.asarray(axes[name], dtype=dtype)[at[name]]
-
-    def labels(name: str) -> pd.Categorical:
-        return pd.Categorical.from_codes(at[name], categories=axes[name])
-
-    t_tp, t_pp, t_cp = (tri[at["triple"], j] for j in range(3))
-    v_sel = values("virtual_stages")
-    columns: dict[str, object] = {
-        **model_columns(model, training),
-        "hardware": hardware.name,
-        "cluster": cluster.name,
-        **model_values(model, training),
-        **bind_hardware(hardware, cluster),
-        "overlap_grad_reduce": space.overlap_grad_reduce,
-        "overlap_param_gather": space.overlap_param_gather,
-        "tp_comm_overlap": space.tp_comm_overlap,
-        "tp_dgrad_overlap": space.tp_dgrad_overlap,
-        "ep_comm_overlap": space.ep_comm_overlap,
-        "zero_sync_per_tensor": False,
-        "num_gpus": n,
-        "dp": n // (t_tp * t_pp * t_cp),
-        "tp": t_tp,
-        "pp": t_pp,
-        "cp": t_cp,
-        "micro_batch": values("micro_batch"),
-        "virtual_stages": v_sel,
-        "stage_layers": labels("stage_layers"),
-        **{
-            name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
-            for name, x in split_values.items()
-        },
-        "ep": values("ep"),
-        "expert_tensor_parallel": values("expert_tensor_parallel", bool),
-        "sequence_parallel": values("sequence_parallel", bool),
-        "zero_stage": values("zero_stage"),
-        "recompute": labels("recompute"),
-        "attention": labels("attention"),
-        "schedule": pd.Categorical.from_codes(
-            (v_sel > 1).astype(np.int8), categories=["1f1b", "interleaved"]
-        ),
-        "rank_order": labels("rank_order"),
-    }
     return Enumeration(
-        columns=PlanColumns(k, columns), candidates=total, rejected=rejected, valid=valid
+        columns=grid.columns(sel, hardware, cluster),
+        candidates=grid.candidates,
+        rejected=grid.rejected,
+        valid=grid.valid,
     )

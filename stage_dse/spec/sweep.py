@@ -163,8 +163,9 @@ class OptunaSpec:
     """Settings of an Optuna search over a sweep's space (``search.kind=optuna``)."""
 
     n_trials: int = 1000
-    batch_size: int = 256
-    """Trials asked, screened and evaluated together."""
+    batch_size: int = 64
+    """Trials asked, screened and evaluated together: each batch is one round of results the
+    sampler learns from (1,000 trials in batches of 64 are 16 rounds)."""
     sampler: str = "tpe"
     objectives: tuple[str, ...] = ("step_s",)
     seed: int = 0
