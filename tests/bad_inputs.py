@@ -14,6 +14,20 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+
+def _serving_record(**fields) -> str:
+    """A corpus file of one static serving record with ``fields`` set."""
+    lines = [
+        "source: {id: bad_source, citation: a test, url: 'https://example.org', kind: serving}",
+        "runs:",
+        "- {id: bad_fraction, where: t, model: llama3_8b, hardware: h100_sxm, cluster: dgx_h100,",
+        "   n_gpus: 1, tp: 1, weights: bf16, isl: 128, osl: 128, mode: static, batch: 1,",
+        "   target: {kind: tpot_ms, value: 10.0},",
+        "   " + ", ".join(f"{k}: {v}" for k, v in fields.items()) + "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # (console script, arguments, text the one line must contain[, files to write first: path
 # under the case's folder -> text])
 CASES: list[tuple] = [
@@ -137,6 +151,24 @@ CASES: list[tuple] = [
     ("stage-dse-validate", ["--out", "{tmp}/cases.csv"], "--out"),
     ("stage-dse-validate", ["--corpus", "{tmp}/missing"], "--corpus"),
     ("stage-dse-validate", ["--record", "--kind", "training"], "--record"),
+    ("stage-dse", ["hardware.measured_efficiency=0"], "hardware.measured_efficiency"),
+    ("stage-dse", ["hardware.measured_efficiency=1.5"], "hardware.measured_efficiency"),
+    ("stage-dse", ["search=optuna", "search.batch_size=0"], "search.batch_size"),
+    ("stage-dse", ["workload=serving", "serving.engine=nope"], "engine"),
+    ("stage-dse", ["workload=serving", "serving.burst=-3"], "serving.burst"),
+    ("stage-dse", ["workload=serving", "serving.clients=2.5"], "serving.clients"),
+    (
+        "stage-dse-validate",
+        ["--corpus", "{tmp}/fraction.yaml"],
+        "kv_memory_fraction",
+        {"fraction.yaml": _serving_record(kv_memory_fraction="high")},
+    ),
+    (
+        "stage-dse-validate",
+        ["--corpus", "{tmp}/fraction.yaml"],
+        "run bad_fraction: kv_memory_fraction=1.5",
+        {"fraction.yaml": _serving_record(kv_memory_fraction=1.5)},
+    ),
 ]
 
 

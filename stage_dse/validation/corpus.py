@@ -443,3 +443,8 @@ def _check_serving(rec: dict, target: dict, label: str) -> None:
     key = need.get(rec["mode"])
     if key and key not in rec:
         raise CorpusError(f"{label}: mode={rec['mode']} needs {key}")
+    frac = rec.get("kv_memory_fraction", 1.0)
+    if not 0 < frac <= 1:
+        raise CorpusError(
+            f"{label}: kv_memory_fraction={frac:g} must be a fraction in (0, 1] (e.g. 0.9)"
+        )
