@@ -375,3 +375,22 @@ def test_spread_output_lengths_stretch_a_bursts_drain_but_not_the_steady_state()
         continuous_batching(
             table, keys, 64, 8192, output_lengths="exponential", max_total_tokens=300
         )
+
+
+def test_sglang_splits_its_prefill_budget_over_dp_attention_ranks():
+    """SGLang with DP attention gives each attention rank chunked_prefill_size // dp_size
+    (server_args.py); TensorRT-LLM's and vLLM's ranks keep the whole budget, and without DP
+    attention there is one rank."""
+    from types import SimpleNamespace
+
+    from stage_dse.validation.serving import _prefill_split
+
+    def split(engine, **f):
+        fields = {"engine": engine, "tp": 8, **f}
+        return _prefill_split(fields, SimpleNamespace(fields=fields))
+
+    assert split("sglang", attention_dp=True) == 8
+    assert split("sglang", tp=1, ep=8, attention_dp=True) == 8
+    assert split("sglang") == 1
+    assert split("trtllm", attention_dp=True) == 1
+    assert split("vllm", attention_dp=True) == 1

@@ -167,6 +167,17 @@ def _layout(f: dict) -> tuple[int, int, int]:
     return tp, pp, ep
 
 
+def _prefill_split(f: dict, case: Case) -> int:
+    """Attention ranks the engine splits a step's token budget over: SGLang with DP attention
+    gives each rank ``chunked_prefill_size // dp_size`` (``server_args.py``: "DP attention is
+    enabled. The chunked prefill size is adjusted to ..."); elsewhere each rank has the whole
+    budget."""
+    ranks = _layout(f)[2]
+    if case_engine(case).name == "sglang" and f.get("attention_dp") and ranks > 1:
+        return ranks
+    return 1
+
+
 def _output_lengths(f: dict) -> tuple[str, float]:
     """How a case's output lengths spread: requests sampled from ShareGPT conversations
     decode each its own reply's length (the record gives the mean), spread as an exponential
@@ -363,7 +374,10 @@ def evaluate_serving(
                 [keys[i] for i in sel],
                 # the engine's limit over the replica, per attention rank (ep of them)
                 np.array([m / _layout(x)[2] for (m, _), x in zip(limits, f)], dtype=float),
-                np.array([c for _, c in limits], dtype=float),
+                np.array(
+                    [c / _prefill_split(x, by_id[cid]) for (_, c), x, cid in zip(limits, f, cont)],
+                    dtype=float,
+                ),
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
