@@ -112,6 +112,15 @@ def _row(case: Case):
     except ConfigError as exc:
         raise Unexpressible(str(exc)) from None
     tuned = trtllm_bench_limits(model, f, hw, serving.kv_dtype.value, f.get("weights", "bf16"))
+    try:
+        pool = engine.kv_pool_columns(
+            hw.hbm_bytes,
+            f["tp"] * pp,
+            attention_dp=bool(f.get("attention_dp")),
+            fraction=stated_kv_memory_fraction(f, engine),
+        )
+    except ConfigError as exc:  # a fraction read from the record's command
+        raise CorpusError(f"{case.source.file}: run {case.id.split(VARIANT)[0]}: {exc}") from None
     row.update(
         {
             "tuned_max_batch": tuned[0],
@@ -119,12 +128,7 @@ def _row(case: Case):
             "engine": engine.name,
             "step_overhead_s": engine.step_overhead_s,
             "request_overhead_s": engine.request_overhead_s,
-            **engine.kv_pool_columns(
-                hw.hbm_bytes,
-                f["tp"] * pp,
-                attention_dp=bool(f.get("attention_dp")),
-                fraction=stated_kv_memory_fraction(f, engine),
-            ),
+            **pool,
         }
     )
     return row, key
