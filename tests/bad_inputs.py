@@ -169,6 +169,16 @@ CASES: list[tuple] = [
         "run bad_fraction: kv_memory_fraction=1.5",
         {"fraction.yaml": _serving_record(kv_memory_fraction=1.5)},
     ),
+    (
+        "stage-dse-validate",
+        ["--corpus", "{tmp}/command.yaml"],
+        "run bad_fraction: kv_memory_fraction must be in (0, 1], got 95",
+        {
+            "command.yaml": _serving_record(
+                engine="vllm", details="{command: 'vllm serve m --gpu-memory-utilization 95'}"
+            )
+        },
+    ),
 ]
 
 
