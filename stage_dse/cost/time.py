@@ -482,12 +482,13 @@ def _derive_time(key: CostKey, measured: bool):
                 + h * _hidden(c_h, f_l)
             )
 
-        zero = gather_chain("zero_fwd_comm") + (
-            _sum([k * _hidden(sec.zero_bwd_comm, bcover(sec)) for sec, k in parts])
-            + _min(blk.zero_bwd_comm, bcover(blk))
-        )
         if key.zero_sync_per_tensor:  # every module fetch synchronizes: nothing overlaps
             zero = tot("zero_fwd_comm") + tot("zero_bwd_comm")
+        else:
+            zero = gather_chain("zero_fwd_comm") + (
+                _sum([k * _hidden(sec.zero_bwd_comm, bcover(sec)) for sec, k in parts])
+                + _min(blk.zero_bwd_comm, bcover(blk))
+            )
         # ZeRO-1/2 parameter gathers under the first micro-batch's forward, the same chain
         param_chain = gather_chain("param_gather_step")
         return {

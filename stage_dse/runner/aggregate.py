@@ -55,15 +55,22 @@ def _text(col: pa.Array) -> pa.Array:
     return col
 
 
-def _codes(col: pa.Array) -> np.ndarray:
-    """Integer codes of a column's values (equal values, equal codes) within one array."""
+def _categories(col: pa.Array) -> tuple[np.ndarray, list]:
+    """Integer codes of a column's values (equal values, equal codes) within one array, and
+    the value of each code."""
     col = _text(col)
     if pa.types.is_dictionary(col.type):
-        return col.indices.to_numpy(zero_copy_only=False)
+        return col.indices.to_numpy(zero_copy_only=False), col.dictionary.to_pylist()
     values = col.to_numpy(zero_copy_only=False)
-    return np.unique(values.astype(str) if values.dtype == object else values, return_inverse=True)[
-        1
-    ]
+    names, codes = np.unique(
+        values.astype(str) if values.dtype == object else values, return_inverse=True
+    )
+    return codes, list(names)
+
+
+def _codes(col: pa.Array) -> np.ndarray:
+    """Integer codes of a column's values (equal values, equal codes) within one array."""
+    return _categories(col)[0]
 
 
 def _group_codes(col: pa.Array) -> np.ndarray:
@@ -157,22 +164,11 @@ class RunSummary:
         n = batch.num_rows
         self.rows += n
         self.reused += n if reused else 0
-        status = _text(batch.column("status"))
-        codes = _codes(status)
-        names = (
-            status.dictionary.to_pylist()
-            if pa.types.is_dictionary(status.type)
-            else list(np.unique(status.to_numpy(zero_copy_only=False).astype(str)))
-        )
+        status = batch.column("status")
+        codes, names = _categories(status)
         counts = np.bincount(codes, minlength=len(names))
         ok_code = names.index("ok") if "ok" in names else -1
-        reason = _text(batch.column("reason"))
-        rcodes = _codes(reason)
-        rnames = (
-            reason.dictionary.to_pylist()
-            if pa.types.is_dictionary(reason.type)
-            else list(np.unique(reason.to_numpy(zero_copy_only=False).astype(str)))
-        )
+        rcodes, rnames = _categories(batch.column("reason"))
         for code, count in enumerate(counts):
             if not count:
                 continue

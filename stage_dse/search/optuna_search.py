@@ -177,14 +177,7 @@ class OptunaSpace:
             self._offers[key] = offered
             prefix = (*prefix, value)
         assert sub.shape == (1,) * sub.ndim and sub.item(), "a trial left the valid plans"
-        position = int(np.ravel_multi_index(tuple(fixed), grid.shape))
-        return Choice(
-            num_gpus=g,
-            hardware=str(design["hardware"]),
-            hbm_gib=design.get("hbm_gib"),
-            inter_gbit_s=design.get("inter_gbit_s"),
-            position=position,
-        )
+        return self._choice(g, design, int(np.ravel_multi_index(tuple(fixed), grid.shape)))
 
     def _pick(self, pick: Pick, axis: str, offered: list):
         if len(offered) == 1:

@@ -59,6 +59,9 @@ class EngineSpec:
     kv_memory_fraction: float = 1.0
     """The rule's fraction (``gpu_memory_utilization``, ``mem_fraction_static`` when stated,
     ``free_gpu_memory_fraction``); unused by ``usable`` and by a default ``static_reserve``."""
+    dp_attention_splits_budget: bool = False
+    """With attention data-parallel, each attention rank gets the token budget divided by the
+    ranks (SGLang: ``chunked_prefill_size // dp_size``); off, every rank has the whole budget."""
 
     def __post_init__(self) -> None:
         for field in ("step_overhead_s", "request_overhead_s"):
@@ -80,6 +83,11 @@ class EngineSpec:
         if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
             raise ConfigError(
                 f"engine.kv_memory_fraction must be a fraction in (0, 1] (e.g. 0.9), got {v!r}"
+            )
+        if not isinstance(self.dp_attention_splits_budget, bool):
+            raise ConfigError(
+                "engine.dp_attention_splits_budget must be true or false, "
+                f"got {self.dp_attention_splits_budget!r}"
             )
         v = self.cuda_graph_max_batch
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):

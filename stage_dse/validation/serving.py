@@ -172,12 +172,12 @@ def _layout(f: dict) -> tuple[int, int, int]:
 
 
 def _prefill_split(f: dict, case: Case) -> int:
-    """Attention ranks the engine splits a step's token budget over: SGLang with DP attention
-    gives each rank ``chunked_prefill_size // dp_size`` (``server_args.py``: "DP attention is
-    enabled. The chunked prefill size is adjusted to ..."); elsewhere each rank has the whole
+    """Attention ranks the engine splits a step's token budget over: those of a DP-attention
+    layout on an engine that divides its budget among them
+    (``EngineSpec.dp_attention_splits_budget``: SGLang); elsewhere each rank has the whole
     budget."""
     ranks = _layout(f)[2]
-    if case_engine(case).name == "sglang" and f.get("attention_dp") and ranks > 1:
+    if case_engine(case).dp_attention_splits_budget and f.get("attention_dp") and ranks > 1:
         return ranks
     return 1
 
