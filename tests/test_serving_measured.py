@@ -325,3 +325,106 @@ def test_validation_serving_cases_run_on_measured_kernels(tmp_path, capsys):
     assert (res["timing"] == res["timing_run"]).all()
     ok = res[res["status"] == "ok"].pivot(index="case", columns="timing", values="predicted")
     assert len(ok) and not np.allclose(ok["roofline"], ok["measured"], rtol=1e-3)
+
+
+@needs_tables
+def test_fused_projections_are_one_gemm_of_their_summed_widths():
+    """Llama-3-8B decode at batch 1: q, k and v read the same input and run as one GEMM of
+    4096 + 1024 + 1024 columns, gate and up as one of 2 x 14336; o_proj and down_proj stay
+    single (each reads its own input)."""
+    table, keys = rows("llama3_8b", batches=(1,))
+    shapes = {
+        tuple(int(v) for v in shape[:3])
+        for mode, k, shape, _, _ in kernel_times(table, keys, "h100_sxm")
+        if mode == "decode" and k.table == "gemm"
+    }
+    assert (1, 6144, 4096) in shapes and (1, 28672, 4096) in shapes
+    assert (1, 4096, 4096) in shapes and (1, 4096, 14336) in shapes
+    assert not {(1, 1024, 4096), (1, 14336, 4096)} & shapes
+    # a fused GEMM's roofline fallback is its parts' rooflines, so an unmeasured GPU's totals
+    # equal the roofline's exactly
+    off = ServingTiming("measured", {"h100_sxm": None})
+    assert np.allclose(
+        evaluate_serving_table(table, keys, timing=off)[TIMES],
+        evaluate_serving_table(table, keys)[TIMES],
+        rtol=1e-12,
+    )
+
+
+def moe_raw(gpu: str) -> pd.DataFrame:
+    folder = data_root() / gpu / "moe" / "trtllm"
+    return pd.concat(pd.read_parquet(p) for p in folder.glob("*/moe_perf.parquet"))
+
+
+@needs_tables
+@pytest.mark.parametrize("routing", ["balanced", "power_law_1.01", "power_law_1.2"])
+def test_routed_experts_are_the_fused_moe_tables_value(routing):
+    """Qwen3-235B-A22B decode on 8 H200s as 8 attention ranks (experts split 8 ways), 16
+    requests per rank, FP8 experts: the group's 128 tokens are a measured point of the MoE
+    table (hidden 4096, expert width 1536, top-8 of 128, moe_tp 1, moe_ep 8)."""
+    h200 = load_hardware("h200")
+    serving = ServingSpec(
+        prompt_len=1024, output_tokens=256, batch_size=16, weights_dtype="fp8", moe_routing=routing
+    )
+    row, key = serving_row(
+        load_model("qwen3_235b_a22b"), serving, h200, load_cluster("dgx_h100"), 1, 1, 8
+    )
+    table = pd.DataFrame([row])
+    found = [
+        (shape, s, ok)
+        for mode, k, shape, s, ok in kernel_times(table, [key], "h200_sxm")
+        if mode == "decode" and k.table == "moe"
+    ]
+    ((shape, s, ok),) = found
+    assert ok and tuple(shape[:7]) == (128, 4096, 1536, 8, 128, 1, 8)
+    m = moe_raw("h200_sxm")
+    point = m[
+        (m["moe_dtype"] == "fp8")
+        & (m["hidden_size"] == 4096)
+        & (m["inter_size"] == 1536)
+        & (m["num_experts"] == 128)
+        & (m["topk"] == 8)
+        & (m["moe_tp_size"] == 1)
+        & (m["moe_ep_size"] == 8)
+        & (m["distribution"] == routing)
+        & (m["num_tokens"] == 128)
+        & (m["kernel_source"] != "moe_torch_flow_nongated")
+    ]
+    newest = point[point["version"] == max(point["version"], key=_version)]
+    assert s == pytest.approx(newest["latency"].min() * 1e-3, rel=1e-12)
+    # no op of the block is timed apart: the grouped GEMMs are inside the kernel
+    assert not any(
+        k.table == "gemm" and int(shape[1]) in (1536, 3072)
+        for _, k, shape, _, _ in kernel_times(table, [key], "h200_sxm")
+    )
+
+
+def _version(v: str):
+    from packaging.version import Version
+
+    return Version(v)
+
+
+def test_moe_formats_follow_the_experts_storage_and_the_gemm_precision():
+    from stage_dse.kernels.timing import _moe_formats
+
+    assert _moe_formats(2, 2) == ("bfloat16",)
+    assert _moe_formats(1, 1) == ("fp8", "fp8_block")
+    assert _moe_formats(1, 2) == ()  # FP8 storage on 16-bit math: no table
+    assert _moe_formats(0.53125, 2) == ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+    assert _moe_formats(0.5625, 0.5625) == ("nvfp4",)
+    assert _moe_formats(0.5625, 2) == ()
+
+
+def test_moe_tokens_beyond_the_table_run_as_waves_of_its_largest():
+    from stage_dse.kernels.tables import MeasuredTables
+    from stage_dse.kernels.timing import _moe
+
+    grid = GridTable.from_points(("tokens",), np.array([[1.0], [64.0], [1024.0]]), [1, 2, 8])
+    layout = ("bfloat16", 2048, 768, 8, 128, 1, 1, "balanced")
+    tables = MeasuredTables("x", {}, {}, {}, "0", moe={layout: grid})
+    base = [2048, 768, 8, 128, 1, 1, 2, 2, 0]
+    shape = np.array([[64.0, *base], [4096.0, *base], [64.0, *base[:-1], 1]])
+    got, ok = _moe(shape, tables)
+    assert ok.tolist() == [True, True, False]  # no power-law table for this layout
+    assert got[:2] == pytest.approx([2.0, 4 * 8.0])

@@ -59,7 +59,7 @@ from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
-from stage_dse.spec.serving import ServingSpec, validate_serving
+from stage_dse.spec.serving import MOE_ROUTINGS, ServingSpec, validate_serving
 
 __all__ = [
     "ServingKey",
@@ -76,6 +76,9 @@ class ServingKey:
     graph: GraphKey
     kv_bytes: int
     rank_order: tuple[MeshAxis, ...]
+    moe_routing: str = "balanced"
+    """Expert loads of measured MoE kernels (:data:`~stage_dse.spec.serving.MOE_ROUTINGS`);
+    the roofline times routing as balanced whatever this says."""
 
 
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
@@ -84,7 +87,8 @@ def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> S
     graph = graph_key(model, plan, like)
     if serving.experts_dtype is not serving.weights_dtype:  # experts in their own format
         graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
-    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order)
+    routing = serving.moe_routing if model.is_moe else "balanced"
+    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing)
 
 
 def _sum(items) -> sp.Expr:
@@ -128,6 +132,8 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
 
 def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
+    if measure is not None:
+        measure.start(ops)
     compute, comm, mem, flops, attention = [], [], [], [], []
     for op in ops:
         if op.is_comm:
@@ -452,7 +458,11 @@ class _Measure:
       per (heads, kv heads, head dim, cache bytes); DeepSeek-style latent attention on the
       MLA tables (prefill decompressed, decode absorbed over the cached latents);
     * all-reduce, all-gather, reduce-scatter and all-to-all inside one NVLink domain (an
-      all-reduce at the faster of NCCL's and the engine's own kernel).
+      all-reduce at the faster of NCCL's and the engine's own kernel);
+    * a mixture-of-experts layer's routed experts as the one fused kernel engines run
+      (:data:`MOE_FUSED`: routing, permutation, grouped GEMMs and activation, weighted
+      un-permutation) by the tokens of the expert-parallel group, its layout and the
+      experts' format; the router GEMM, shared experts and all-to-alls stay separate.
 
     Kernel tables hold times at the full clock: a power-limited part runs the measured
     kernels at its sustained clock, as in training. Norms, element-wise kernels, embeddings,
@@ -464,12 +474,70 @@ class _Measure:
         self.kernels, self.mode = kernels, mode
         self.mla = key.graph.mla
         self.kv_bytes = sp.Integer(key.kv_bytes)
+        self.routing = sp.Integer(MOE_ROUTINGS.index(key.moe_routing))
+        self.fused: dict[str, sp.Expr] = {}
+
+    def start(self, ops) -> None:
+        """Before a graph's ops: the kernels engines fuse, each timed as one, its time carried
+        by its first op and the others costing nothing apart: linear GEMMs that read the same
+        input with the same split of their outputs as one GEMM of their summed widths
+        (:meth:`_projections`), and a routed-expert block (:data:`MOE_FUSED`, all of it) as the
+        fused MoE kernel."""
+        self.fused = {}
+        self._projections(ops)
+        block = {op.name: op for op in ops if op.name in MOE_FUSED}
+        if len(block) < len(MOE_FUSED):
+            return
+        gate = block["experts.gate_proj"]
+        x, w = gate.inputs
+        experts, hidden, width = (a.extent for a in w.axes)
+        moe_ep = experts / _local(w, 0)
+        moe_tp = width / _local(w, 2)
+        # the group's tokens: the GPU's token slots are top_k x capacity x group tokens / ep
+        tokens = _local(w, 0) * _local(x, 1) * moe_ep / (S.top_k * S.capacity_factor)
+        clock = S.sustained_clock
+        roofline = _sum(_compute_time(op) for op in block.values()) * clock
+        shape = (tokens, hidden, width, S.top_k, experts, moe_tp, moe_ep, w.dtype_bytes)
+        kernel = Kernel("moe", (*shape, S.gemm_bytes, self.routing), roofline)
+        self.fused = {name: sp.Integer(0) for name in block}
+        self.fused["experts.gate_proj"] = self._time(kernel) / clock
 
     def _time(self, kernel: Kernel) -> sp.Symbol:
         return self.kernels.time(self.mode, kernel)
 
+    def _projections(self, ops) -> None:
+        """Query, key and value projections of one input run as one GEMM (vLLM's and SGLang's
+        ``QKVParallelLinear``, TensorRT-LLM's fused QKV weight), gate and up projections of a
+        SwiGLU MLP likewise (``MergedColumnParallelLinear``, TensorRT-LLM's fused gate-up),
+        DeepSeek's query and latent down-projections too (SGLang's
+        ``fused_qkv_a_proj_with_mqa``): the GEMM tables' latency floor is paid once, and a
+        narrow key/value GEMM (512 columns on a rank) runs inside a wide one. Grouped: linear
+        forward GEMMs with the same input tensor, the same (m, k) and the same output split
+        (a replicated router beside tensor-parallel shared experts stays apart)."""
+        groups: dict[tuple, list] = {}
+        for op in ops:
+            if op.kind is not OpKind.EINSUM or not is_linear(op) or _batched(op):
+                continue
+            x, w = op.inputs
+            m, _, k = gemm_mnk(op)
+            groups.setdefault((x.name, m, k, w.layout[-1], w.dtype_bytes), []).append(op)
+        clock = S.sustained_clock
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            m, _, k = gemm_mnk(group[0])
+            n = _sum(gemm_mnk(op)[1] for op in group)
+            roofline = _sum(_gemm_time(op)[0] for op in group) * clock
+            kernel = Kernel("gemm", (m, n, k, S.gemm_bytes), roofline)
+            # one quantize of the shared input (an FP8 GEMM's activation operand)
+            quantize = _gemm_time(group[0])[1]
+            self.fused.update({op.name: sp.Integer(0) for op in group})
+            self.fused[group[0].name] = self._time(kernel) / clock + quantize
+
     def compute(self, op) -> sp.Expr:
         clock = S.sustained_clock
+        if op.name in self.fused:
+            return self.fused[op.name]
         if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
             gemm, quantize = _gemm_time(op)
             kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
@@ -507,6 +575,20 @@ class _Measure:
         intra = domain_collective_time(op.coll, n_in, op.comm_bytes)
         kind = "engine_all_reduce" if op.coll is CollKind.ALL_REDUCE else op.coll.value
         return self._time(Kernel(kind, (op.comm_bytes, n_in, n_out, intra), seconds))
+
+
+MOE_FUSED = (
+    "router_softmax",
+    "moe_dispatch",
+    "experts.gate_proj",
+    "experts.up_proj",
+    "experts.swiglu",
+    "experts.down_proj",
+    "moe_combine",
+)
+"""The ops of a routed-expert block that engines run as one fused MoE kernel (TensorRT-LLM's
+``fused_moe``, vLLM's ``FusedMoE``, SGLang's likewise: top-k routing, the permutation to
+expert order, both grouped GEMMs with the gated activation, the weighted un-permutation)."""
 
 
 def _batched(op) -> bool:

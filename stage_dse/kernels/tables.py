@@ -24,7 +24,20 @@ objects, in seconds and bytes:
   in elements there; here it is bytes, 2 per element);
 * ``custom_allreduce_perf``: TensorRT-LLM's own all-reduce kernel (one-shot / two-shot over
   NVLink, what inference engines run instead of NCCL's for tensor-parallel sums), the same
-  axes as NCCL's.
+  axes as NCCL's;
+* ``moe_perf``: TensorRT-LLM's fused mixture-of-experts layer on one GPU (routing, the
+  permutation of tokens to their experts, the grouped gate/up and down GEMMs with the
+  activation between them, the weighted un-permutation; not the router GEMM nor any
+  collective) by ``num_tokens``: the tokens of the whole expert-parallel group, of which the
+  GPU runs the share routed to its ``num_experts / moe_ep_size`` experts, each expert's
+  intermediate width split ``moe_tp_size`` ways. One table per (expert format, hidden width,
+  expert width, top-k, experts, moe_tp_size, moe_ep_size, routing distribution): ``balanced``
+  (every expert the same share) or a power law of the experts' loads
+  (``power_law_1.01``, ``power_law_1.2``). Collections measure different models, so every
+  collection is read, the newest one's measurement of a layout kept; among kernels measured
+  for one layout (CUTLASS, DeepGEMM, ...) the fastest at each token count (the engine picks
+  its MoE backend), the non-gated kernels (ReLU² experts) and the low-latency variant
+  (an opt-in mode) left out.
 
 The TensorRT-LLM backend's newest collection is used (its GEMMs and attention are the
 cuBLAS/FMHA kernels training frameworks call too). Tables load once per process (and per Ray
@@ -67,7 +80,7 @@ def table_set(hardware, chosen: str | None = None) -> str | None:
 
 
 MS = 1e-3
-FORMAT = "f2"
+FORMAT = "f4"
 """Layout of the cached copy (:func:`_cache_file`): a new one whenever the tables read change."""
 KV_BYTES = {"bfloat16": 2, "fp8": 1}
 """KV cache dtype of the package -> bytes per element."""
@@ -104,6 +117,7 @@ class MeasuredTables:
         context_mla: dict | None = None,
         generation_mla: dict | None = None,
         custom_all_reduce: dict | None = None,
+        moe: dict | None = None,
     ):
         self.gpu = gpu
         self.gemm: dict[str, GridTable] = gemm
@@ -124,13 +138,16 @@ class MeasuredTables:
         """MLA decode by (heads on one GPU, cache bytes); grid (batch, KV length)."""
         self.custom_all_reduce: dict[int, GridTable] = custom_all_reduce or {}
         """TensorRT-LLM's all-reduce by GPU count; grid (bytes,)."""
+        self.moe: dict[tuple, GridTable] = moe or {}
+        """Fused MoE layers by (expert format, hidden, expert width, top-k, experts, moe tp,
+        moe ep, routing distribution); grid (tokens of the expert-parallel group,)."""
 
     def __repr__(self) -> str:
         return (
             f"MeasuredTables({self.gpu}, {BACKEND} {self.version}: gemm {sorted(self.gemm)}, "
             f"{len(self.attention)} attention head layouts, {len(self.generation)} decode "
             f"attention layouts, {len(self.generation_mla)} MLA decode layouts, "
-            f"{len(self.nccl)} NCCL tables)"
+            f"{len(self.nccl)} NCCL tables, {len(self.moe)} MoE layouts)"
         )
 
 
@@ -231,7 +248,46 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
         context_mla=context_mla,
         generation_mla=generation_mla,
         custom_all_reduce=custom,
+        moe=_moe_grids(root / gpu / "moe" / BACKEND),
     )
+
+
+MOE_LEFT_OUT = ("moe_torch_flow_nongated",)
+"""Kernel sources of ``moe_perf`` not read: non-gated experts (ReLU², no SwiGLU model here
+has them) and TensorRT-LLM's opt-in low-latency FP4 kernel."""
+MOE_LAYOUT = [
+    "moe_dtype",
+    "hidden_size",
+    "inter_size",
+    "topk",
+    "num_experts",
+    "moe_tp_size",
+    "moe_ep_size",
+    "distribution",
+]
+
+
+def _moe_grids(folder: Path) -> dict[tuple, GridTable]:
+    """Every collection's ``moe_perf`` under ``folder``, newest first: a layout takes the newest
+    collection that measured it (module docstring)."""
+    import pandas as pd
+    from packaging.version import Version
+
+    if not folder.is_dir():
+        return {}
+    versions = [p.name for p in folder.iterdir() if (p / "moe_perf.parquet").is_file()]
+    grids: dict[tuple, GridTable] = {}
+    for version in sorted(versions, key=Version, reverse=True):
+        f = pd.read_parquet(folder / version / "moe_perf.parquet")
+        f = f[~f["kernel_source"].isin(MOE_LEFT_OUT)]
+        for values, g in f.groupby(MOE_LAYOUT):
+            layout = (str(values[0]), *(int(v) for v in values[1:-1]), str(values[-1]))
+            if layout in grids or g["num_tokens"].nunique() < 2:
+                continue
+            grids[layout] = GridTable.from_points(
+                ("tokens",), g[["num_tokens"]].to_numpy(), g["latency"].to_numpy() * MS
+            )
+    return grids
 
 
 def _read_newest(folder: Path, table: str):

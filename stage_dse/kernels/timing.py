@@ -37,6 +37,12 @@ Serving kernels (:mod:`stage_dse.cost.serving`):
   the batch where the cut falls.
 * **GEMMs** as in training, at their own m (decode: the running batch); FP4 GEMMs
   (``gemm_bytes`` below 0.75) on the ``nvfp4`` table where the GPU has one.
+* **Routed experts** (``moe``): the fused MoE table of the same layout (hidden and expert
+  widths, top-k, experts, expert tensor and expert parallel degrees) and routing, by the
+  tokens of the expert-parallel group, in the experts' format (:func:`_moe_formats`: FP8
+  experts on the per-tensor FP8 table where measured, else the block-scaled one). Beyond the
+  largest measured token count the kernel runs as waves of the largest (its time linear in
+  the tokens).
 
 Anything else, and any shape outside a table (including an unmeasured cell), keeps its roofline
 time and is counted as such.
@@ -145,18 +151,23 @@ def _batched(grid, batch: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, n
     return got, ok
 
 
-def _layouts(columns: np.ndarray, usable: np.ndarray):
-    """Each distinct integral row of ``columns`` (layout numbers: heads, dims, bytes) among
-    the ``usable`` rows, with the mask of the rows that have it."""
-    integral = usable & np.all((columns == np.round(columns)) & (columns > 0), axis=1)
-    if not integral.any():
+def _layouts(columns: np.ndarray, usable: np.ndarray, exact: bool = True):
+    """Each distinct row of ``columns`` (layout numbers: heads, dims, bytes) among the
+    ``usable`` rows, with the mask of the rows that have it: integral positive rows only
+    (``exact=False``: any finite row, the values kept as floats)."""
+    if exact:
+        keep = usable & np.all((columns == np.round(columns)) & (columns > 0), axis=1)
+    else:
+        keep = usable & np.all(np.isfinite(columns), axis=1)
+    if not keep.any():
         return
-    layouts, codes = np.unique(columns[integral].astype(np.int64), axis=0, return_inverse=True)
-    where = np.flatnonzero(integral)
+    values = columns[keep].astype(np.int64) if exact else columns[keep]
+    layouts, codes = np.unique(values, axis=0, return_inverse=True)
+    where = np.flatnonzero(keep)
     for i, layout in enumerate(layouts):
         rows = np.zeros(len(columns), dtype=bool)
         rows[where[codes.reshape(-1) == i]] = True
-        yield tuple(int(v) for v in layout), rows
+        yield tuple((int(v) if exact else float(v)) for v in layout), rows
 
 
 def _serving_attention(grids: str, dims: tuple[int, ...] | None = None):
@@ -220,7 +231,54 @@ def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: Meas
     return out, inside, inside & one_domain
 
 
+def _moe_formats(expert_bytes: float, gemm_bytes: float) -> tuple[str, ...]:
+    """The ``moe_perf`` formats that time experts stored in ``expert_bytes`` per value whose
+    GEMMs run at ``gemm_bytes`` (the pass's GEMM format), in order of preference: 16-bit
+    experts in bf16; FP8 experts where the GEMMs run in FP8 (W8A8; none for FP8 storage on
+    16-bit math); MXFP4 experts (0.53125 bytes) weight-only beside 16-bit GEMMs (W4A16) or with
+    16-bit activations where the GPU has no kernel for MXFP8 ones (W4A16: Hopper, Ampere);
+    NVFP4 experts (0.5625 bytes) with FP4 GEMMs."""
+    if expert_bytes >= 1.5:
+        return ("bfloat16",)
+    if expert_bytes >= 0.75:
+        return ("fp8", "fp8_block") if gemm_bytes < 1.5 else ()
+    if abs(expert_bytes - 0.53125) < 1e-9:
+        return ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+    return ("nvfp4",) if gemm_bytes < 0.75 else ()
+
+
+def _moe(shape: np.ndarray, tables: MeasuredTables):
+    from stage_dse.spec.serving import MOE_ROUTINGS
+
+    tokens = shape[:, 0]
+    out = np.full(len(shape), np.nan)
+    inside = np.zeros(len(shape), dtype=bool)
+    if not tables.moe:
+        return out, inside
+    for key, rows in _layouts(shape[:, 1:], np.ones(len(shape), dtype=bool), exact=False):
+        hidden, width, topk, experts, tp, ep, expert_bytes, gemm_bytes, routing = key
+        grid = None
+        for fmt in _moe_formats(expert_bytes, gemm_bytes):
+            grid = tables.moe.get(
+                (
+                    fmt,
+                    *(int(v) for v in (hidden, width, topk, experts, tp, ep)),
+                    MOE_ROUTINGS[int(routing)],
+                )
+            )
+            if grid is not None:
+                break
+        if grid is None:
+            continue
+        t_max = grid.axes[0][-1]
+        got, ok = grid.lookup(np.minimum(tokens[rows], t_max))
+        out[rows] = got * np.maximum(1.0, tokens[rows] / t_max)
+        inside[rows] = ok
+    return out, inside
+
+
 LOOKUPS = {
+    "moe": _moe,
     "gemm": _gemm,
     "attention": _attention,
     "context_attention": _serving_attention("context"),

@@ -53,6 +53,7 @@ from stage_dse.spec.training import DType, TrainingSpec
 
 __all__ = [
     "FP4_ALIAS",
+    "MOE_ROUTINGS",
     "ServingSpec",
     "replicated_kv_heads",
     "serving_plan",
@@ -77,6 +78,10 @@ class ServingSpec:
     expert_weights_dtype: DType | None = None
     """The routed experts' weights (mixture-of-experts models), in the same formats; None:
     ``weights_dtype``."""
+    moe_routing: str = "power_law_1.01"
+    """How a mixture-of-experts model's tokens spread over its experts where measured MoE
+    kernels time them (``timing=measured``): one of :data:`MOE_ROUTINGS`. Real routers load
+    experts unevenly; the busiest expert sets a grouped kernel's time."""
 
     def __post_init__(self) -> None:
         owner = "serving"
@@ -88,6 +93,11 @@ class ServingSpec:
                 continue
             value = FP4_ALIAS if isinstance(value, str) and value.lower() == "fp4" else value
             object.__setattr__(self, f, coerce_enum(DType, owner, f, value))
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise ConfigError(
+                f"serving.moe_routing={self.moe_routing!r} is not one of: "
+                + ", ".join(MOE_ROUTINGS)
+            )
         if self.kv_dtype.is_fp4:
             raise ConfigError(
                 f"serving.kv_dtype={self.kv_dtype.value}: a 4-bit KV cache is not modelled; "
@@ -132,6 +142,11 @@ class ServingSpec:
             serving_view=True,
         )
 
+
+MOE_ROUTINGS = ("balanced", "power_law_1.01", "power_law_1.2")
+"""Token spreads over experts that measured MoE kernels are collected under
+(:mod:`stage_dse.kernels.tables`): even, or expert loads following a power law of exponent
+1.01 or 1.2."""
 
 FP4_ALIAS = DType.NVFP4
 """What ``fp4`` means: NVFP4, the format of NVIDIA's FP4 checkpoints (ModelOpt, TensorRT-LLM)."""

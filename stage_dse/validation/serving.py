@@ -54,10 +54,12 @@ __all__ = ["Prepared", "evaluate_serving", "prepare"]
 
 
 NATIVE_FP4_EXPERTS = {"gpt_oss_120b": "mxfp4", "gpt_oss_20b": "mxfp4"}
-"""Models whose published 4-bit checkpoint quantizes only the routed experts, in this format
+"""Models whose published checkpoint quantizes only the routed experts, in this format
 (gpt-oss: MXFP4 experts; attention, router and embeddings bf16, its config.json's
-``quantization_config.modules_to_not_convert``): a record's ``weights: fp4`` on them means
-that checkpoint."""
+``quantization_config.modules_to_not_convert``; no other checkpoint of them is published): a
+record's ``weights: fp4`` on them means that checkpoint, and ``weights: fp8`` the same experts
+beside FP8 linear layers elsewhere (engines' FP8 label for gpt-oss on Hopper, whose experts
+still run from the MXFP4 weights)."""
 
 
 def _row(case: Case):
@@ -97,8 +99,9 @@ def _row(case: Case):
     if batch % ep:
         raise Unexpressible(f"batch({batch}) does not split over ep({ep}) attention ranks")
     weights, experts = f.get("weights", "bf16"), None
-    if weights == "fp4" and model.name in NATIVE_FP4_EXPERTS:  # the checkpoint's own format
-        weights, experts = "bf16", NATIVE_FP4_EXPERTS[model.name]
+    if weights in ("fp4", "fp8") and model.name in NATIVE_FP4_EXPERTS:  # the checkpoint's
+        experts = NATIVE_FP4_EXPERTS[model.name]
+        weights = "bf16" if weights == "fp4" else weights
     serving = ServingSpec(
         prompt_len=f["isl"],
         output_tokens=f["osl"],
