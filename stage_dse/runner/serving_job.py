@@ -244,7 +244,7 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
     pd.concat(candidates, ignore_index=True).assign(
         target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms,
         prompt=np.nan if mix else prompt, output_tokens=np.nan if mix else spec.output_tokens,
-        request_mix=mix_label or None,
+        request_mix=mix_label or None, kv_link=job.kv_link,
     ).to_parquet(path)  # fmt: skip
     return RecommendResult(
         model=spec.model.name,
