@@ -257,11 +257,7 @@ def _grid_summary(cfg, spec, store, report, repeats) -> None:
         repeats,
     )
     _print_run_notes(cfg, spec, None, summary.median_measured_share())
-    if summary.rows < report.folder_rows:
-        print(
-            f"(summary over the {summary.rows:,} rows of this run's configurations; "
-            f"{report.folder_rows - summary.rows:,} other rows in the folder are not shown)"
-        )
+    print_run_rows(summary.rows, report.folder_rows, 0)  # its reuse is said below
     if summary.reused:
         from stage_dse.results.schema import RESULT_SCHEMA
         from stage_dse.runner.aggregate import SUMMARY_COLUMNS
