@@ -69,3 +69,24 @@ def test_no_module_over_600_lines():
 
 def test_every_forward_op_kind_has_a_backward_rule():
     assert set(BACKWARD_RULES) == set(OpKind) - {OpKind.OPTIMIZER}
+
+
+SERVING_INTERNALS = (
+    "stage_dse.cost.serving",
+    "stage_dse.cost.batching",
+    "stage_dse.cost.disagg",
+    "stage_dse.runner.serving",
+    "stage_dse.runner.recommend",
+)
+
+
+def test_the_command_line_serves_through_the_driver():
+    """Serving sweeps, SLA fronts and recommendations are decided by one driver
+    (``runner/serving_job.py``): no command-line module reaches past it into the serving
+    evaluators, and the sweep command's modules import nothing of ``cost/`` or ``kernels/``."""
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        names = _imports(path)
+        bad = {m for m in names if m in SERVING_INTERNALS}
+        if path.name in ("sweep.py", "serve.py"):
+            bad |= {m for m in names if m.startswith(("stage_dse.cost", "stage_dse.kernels"))}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"

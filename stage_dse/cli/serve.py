@@ -1,127 +1,87 @@
-"""The serving half of ``stage-dse``: timing and SLA options of serving jobs and
-``mode=recommend``'s answer (called by :mod:`stage_dse.cli.sweep`)."""
+"""The serving half of ``stage-dse`` (called by :mod:`stage_dse.cli.sweep`): the config
+becomes one :class:`~stage_dse.spec.sweep.ServingJob`, the driver
+(:func:`stage_dse.runner.serving_job.run_serving_job`) runs it once, and this module prints
+what it returns. Nothing is decided here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig
-
-from stage_dse.errors import StageDseError
 
 GIB = 2.0**30
 
 
-def _serving_timing(cfg: DictConfig, hardware) -> str:
-    """``timing`` of a serving or recommend job, its tables loaded (a one-line error when the
-    extra is missing or ``hardware.measured_gpu`` names no table set, as for training)."""
-    from stage_dse.runner.serving import serving_timing
+def run_serving_job(cfg: DictConfig, repeats=()) -> int:
+    """A serving job (``workload=serving`` or ``mode=recommend``); returns the number of rows
+    the sweep evaluated."""
+    from stage_dse.config.schema import to_serving_job
+    from stage_dse.results.store import ResultStore
+    from stage_dse.runner import serving_job
 
-    timing = cfg.get("timing", "roofline")
-    serving_timing(timing, hardware)
-    return timing
-
-
-def _print_tables_note(hardware) -> None:
-    """One line per part without measured tables: its rows keep the roofline."""
-    from stage_dse.kernels.tables import table_set
-
-    for hw in hardware:
-        if table_set(hw) is None:
-            print(f"note: timing=measured: no measured kernel tables for {hw.name}; its rows use "
-                  "the roofline")  # fmt: skip
-
-
-def _sla(cfg: DictConfig) -> tuple[float | None, float | None]:
-    sla = cfg.serving.sla
-    for name in ("ttft_ms", "tpot_ms"):
-        value = sla[name]
-        if value is not None and not value > 0:
-            raise StageDseError(f"serving.sla.{name} must be > 0, got {value}")
-    return sla.ttft_ms, sla.tpot_ms
+    job = to_serving_job(cfg)
+    store = ResultStore(Path(cfg.results_dir) / job.sweep.name, replace_stale=cfg.replace_stale)
+    result = serving_job.run_serving_job(job, store)
+    if result.report is not None:
+        _print_sweep(result, repeats)
+    if result.recommendation is not None:
+        if result.report is not None:
+            print()
+        _print_recommendation(result.recommendation)
+    return 0 if result.report is None else result.report.evaluated
 
 
-def _run_recommend(cfg: DictConfig) -> int:
-    """``mode=recommend``: the fewest GPUs serving ``serving.target_requests_per_s`` within
-    ``serving.sla`` on each hardware, aggregated and disaggregated."""
-    import pandas as pd
+def check_serving_job(cfg: DictConfig) -> None:
+    """Everything a serving job checks before it evaluates anything."""
+    from stage_dse.config.schema import to_serving_job
+    from stage_dse.runner.serving_job import check_serving_job
 
-    from stage_dse.config import load_hardware
-    from stage_dse.config.schema import ServingConf, to_serving_sweep
-    from stage_dse.runner.recommend import BOUND_WORDS, aggregated_rate_at, recommend
-    from stage_dse.spec.serving import ServingSpec
-    from stage_dse.spec.sweep import divisors
+    check_serving_job(to_serving_job(cfg))
 
-    spec = to_serving_sweep(cfg)
-    ttft_ms, tpot_ms = _sla(cfg)
-    target = cfg.serving.target_requests_per_s
-    if not (ttft_ms and tpot_ms):
-        raise StageDseError("mode=recommend needs serving.sla.ttft_ms and serving.sla.tpot_ms")
-    if not target > 0:
-        raise StageDseError(f"mode=recommend needs serving.target_requests_per_s > 0, got {target}")
-    prompt = spec.prompt_lens[0]
-    sv = cfg.serving
-    prefill_hw = load_hardware(sv.prefill_hardware) if sv.prefill_hardware else None
-    timing = _serving_timing(cfg, (*spec.hardware, *([prefill_hw] if prefill_hw else [])))
-    # the dtypes are checked before anything is printed
-    ServingSpec(prompt_len=prompt, weights_dtype=spec.weights_dtype, kv_dtype=spec.kv_dtype)
-    mix = [tuple(float(x) for x in item) for item in spec.request_mix] or None
-    total = sum(w for _, _, w in mix or ())
-    mix_label = ",".join(f"{p:g}x{o:g}:{w / total:g}" for p, o, w in mix or ())  # as rows
-    lengths = (
-        f"the mix {mix_label} (prompt x output:weight)"
-        if mix
-        else f"{prompt} prompt + {spec.output_tokens} output tokens"
-    )
+
+def _print_sweep(result, repeats) -> None:
+    from stage_dse.cli.sweep import _print_outcomes, print_run_rows
+
+    job = result.job
+    _print_outcomes(
+        result.store_root, result.folder_rows, result.report, "configurations rejected, by rule:",
+        repeats,
+    )  # fmt: skip
+    for note in result.notes:
+        print(note)
+    print_run_rows(len(result.rows), result.folder_rows, result.reused)
+    top = result.top
+    print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
+    print(top.to_string(index=False) if len(top) else "  none fits")
+    if result.front is None:
+        return
     print(
-        f"recommend {spec.model.name}: {target:g} requests/s of {lengths} within TTFT <= "
+        f"\nPareto front of tokens/s per GPU vs tokens/s per user within TTFT <= "
+        f"{job.ttft_sla_ms or 'any'} ms, TPOT <= {job.tpot_sla_ms or 'any'} ms "
+        f"({result.within_targets:,} of {result.feasible:,} configurations meet the targets):"
+    )
+    front = result.front
+    print(front.to_string(index=False) if len(front) else "  none meets the targets")
+
+
+def _print_recommendation(rec) -> None:
+    """``mode=recommend``'s answer: per hardware, the fewest GPUs aggregated and
+    disaggregated, the comparison at equal GPUs and the nearest miss."""
+    from stage_dse.runner.serving_job import BOUND_WORDS
+
+    ttft_ms, tpot_ms, target = rec.ttft_sla_ms, rec.tpot_sla_ms, rec.target_requests_per_s
+    print(
+        f"recommend {rec.model}: {target:g} requests/s of {rec.workload} within TTFT <= "
         f"{ttft_ms:g} ms, TPOT <= {tpot_ms:g} ms"
     )
-    # serving.batch_size caps the running requests; the static-sweep default states none
-    caps = list(spec.batch_sizes)
-    max_running = None if caps == ServingConf().batch_size else max(caps)
-    cap_from = "engine.max_running" if max_running is None else "serving.batch_size"
     print(
-        f"weights {spec.weights_dtype}, KV cache {spec.kv_dtype}, engine {spec.engine.name}, "
-        f"running requests at most {max_running or spec.engine.max_running} ({cap_from}) "
-        "and the KV capacity"
+        f"weights {rec.weights_dtype}, KV cache {rec.kv_dtype}, engine {rec.engine}, "
+        f"running requests at most {rec.running_cap} ({rec.running_cap_from}) and the KV "
+        "capacity"
     )
-    per_node = spec.cluster.gpus_per_node
-    tps = (
-        tuple(d for d in divisors(spec.model.num_kv_heads) if d <= per_node)
-        if spec.tp == "auto"
-        else tuple(spec.tp)
-    )
-    candidates = []
-    for hw in spec.hardware:
-        answer = recommend(
-            spec.model,
-            hw,
-            spec.cluster,
-            prompt=None if mix else prompt,
-            output_tokens=None if mix else spec.output_tokens,
-            mix=mix,
-            target_requests_per_s=target,
-            ttft_sla_s=ttft_ms / 1e3,
-            tpot_sla_s=tpot_ms / 1e3,
-            tps=tps,
-            eps=tuple(spec.ep),
-            weights_dtype=spec.weights_dtype,
-            kv_dtype=spec.kv_dtype,
-            max_running=max_running,
-            engine=spec.engine,
-            prefill_hardware=prefill_hw,
-            kv_link=sv.kv_link,
-            timing=timing,
-        )
-        print(f"\n{hw.name}:")
-        for part, frame in (
-            ("aggregated", answer.aggregated),
-            ("disaggregated", answer.disaggregated),
-            ("near_miss", answer.near_miss),
-        ):
-            candidates.append(frame.assign(hardware=hw.name, model=spec.model.name, part=part))
+    for hw in rec.hardware:
+        answer = hw.answer
+        print(f"\n{hw.hardware}:")
         if len(answer.aggregated):
             a = answer.aggregated.iloc[0]
             ep = f" ep {a.ep}" if a.ep > 1 else ""
@@ -137,7 +97,7 @@ def _run_recommend(cfg: DictConfig) -> int:
             print("  aggregated:    no layout meets the targets")
         if len(answer.disaggregated):
             d = answer.disaggregated.iloc[0]
-            other = "" if d.prefill_hardware == hw.name else f" ({d.prefill_hardware})"
+            other = "" if d.prefill_hardware == hw.hardware else f" ({d.prefill_hardware})"
             p_ep = f" ep {d.prefill_ep}" if d.prefill_ep > 1 else ""
             d_ep = f" ep {d.decode_ep}" if d.decode_ep > 1 else ""
             print(
@@ -148,23 +108,20 @@ def _run_recommend(cfg: DictConfig) -> int:
                 f"{d.ttft_s * 1e3:.0f} ms with the KV transfer, TPOT "
                 f"{d.tpot_s * 1e3:.1f} ms, {d.tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             )
-            rate, layout = aggregated_rate_at(answer.aggregated, d.gpus)
+            layout = hw.equal_gpus_layout
             if layout is not None:
                 print(
-                    f"  at {d.gpus:.0f} GPUs aggregated serves {rate:.1f} requests/s "
-                    f"(tp {layout.tp}{f' ep {layout.ep}' if layout.ep > 1 else ''}, "
-                    f"max_running {layout.max_running}) against "
-                    f"{target:g} disaggregated"
+                    f"  at {d.gpus:.0f} GPUs aggregated serves {hw.equal_gpus_rate:.1f} "
+                    f"requests/s (tp {layout.tp}{f' ep {layout.ep}' if layout.ep > 1 else ''}, "
+                    f"max_running {layout.max_running}) against {target:g} disaggregated"
                 )
         else:
             print("  disaggregated: no pair of pools meets the targets")
-        if timing == "measured":
-            parts = pd.concat([answer.aggregated, answer.disaggregated])
-            if len(parts):
-                print(
-                    f"  timing: measured kernel tables for {parts['measured_share'].median():.0%}"
-                    " of the qualifying candidates' time (median), roofline for the rest"
-                )
+        if hw.measured_share is not None:
+            print(
+                f"  timing: measured kernel tables for {hw.measured_share:.0%} of the "
+                "qualifying candidates' time (median), roofline for the rest"
+            )
         if len(answer.near_miss):
             m = answer.near_miss.iloc[0]
             which = "TPOT" if m.tpot_s / (tpot_ms / 1e3) >= m.ttft_s / (ttft_ms / 1e3) else "TTFT"
@@ -173,16 +130,4 @@ def _run_recommend(cfg: DictConfig) -> int:
                 f"{m.tpot_s * 1e3:.1f} ms) misses its {which} target by "
                 f"{100 * (m.miss - 1):.0f}%"
             )
-    # every qualifying deployment and the nearest misses, as rows beside the sweep's results
-    from stage_dse.results.store import new_run_id
-
-    folder = Path(cfg.results_dir) / spec.name / "_recommend"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{new_run_id()}.parquet"
-    pd.concat(candidates, ignore_index=True).assign(
-        target_requests_per_s=target, ttft_sla_ms=ttft_ms, tpot_sla_ms=tpot_ms,
-        prompt=np.nan if mix else prompt, output_tokens=np.nan if mix else spec.output_tokens,
-        request_mix=mix_label or None,
-    ).to_parquet(path)  # fmt: skip
-    print(f"\nrecommendation candidates: {path}")
-    return 0
+    print(f"\nrecommendation candidates: {rec.path}")

@@ -13,11 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 import hydra
-import numpy as np
 from omegaconf import DictConfig
 
 from stage_dse.cli._common import check_jobs, fail, split_args
-from stage_dse.cli.serve import _print_tables_note, _run_recommend, _serving_timing, _sla
+from stage_dse.cli.serve import check_serving_job, run_serving_job
 from stage_dse.config.presets import conf_dir
 from stage_dse.config.schema import check_top_level, register_schemas, to_optuna, to_sweep
 from stage_dse.errors import ConfigError, StageDseError
@@ -44,38 +43,31 @@ def _rows_of_run(
     run_id=None,
     timing: str = "roofline",
 ):
-    """The rows of one run's configurations (a results folder may hold other runs' rows too):
-    same workload, models, hardware (Optuna's capacity variants ``name@..GiB`` included),
-    cluster, GPU counts, training step and timing source."""
-    hw = df["hardware"].astype(str).str.split("@").str[0]
-    keep = (
-        (df["workload"].astype(str) == workload)
-        & df["model"].astype(str).isin(list(models))
-        & hw.isin(list(hardware))
-        & (df["cluster"].astype(str) == cluster)
-        & (df["timing"].astype(object).fillna("roofline").astype(str) == timing)
-    )
-    if gpus is not None:
-        keep &= df["num_gpus"].isin(list(gpus))
-    if training is not None:
-        keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
-        keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
-    rows = df[keep]
-    if len(rows) < len(df):
-        print(
-            f"(summary over the {len(rows):,} rows of this run's configurations; "
-            f"{len(df) - len(rows):,} other rows in the folder are not shown)"
-        )
-    if run_id is not None:
-        earlier = int((rows["run_id"].astype(str) != run_id).sum())
-        if earlier:
-            print(f"({earlier:,} of them were evaluated by earlier runs and reused)")
+    """The rows of one run's configurations (:func:`stage_dse.runner.sweep.rows_of_run`),
+    saying how many other rows the folder holds and how many were reused."""
+    from stage_dse.runner.sweep import rows_of_run
+
+    rows = rows_of_run(df, workload, models, hardware, cluster, gpus, training, timing)
+    earlier = 0 if run_id is None else int((rows["run_id"].astype(str) != run_id).sum())
+    print_run_rows(len(rows), len(df), earlier)
     return rows
 
 
-def _print_outcomes(store, folder_rows: int, report, rejected_title: str, repeats=()) -> None:
+def print_run_rows(rows: int, folder_rows: int, earlier: int) -> None:
+    """What a summary covers: this run's configurations among the folder's rows, and how many
+    of them earlier runs evaluated."""
+    if rows < folder_rows:
+        print(
+            f"(summary over the {rows:,} rows of this run's configurations; "
+            f"{folder_rows - rows:,} other rows in the folder are not shown)"
+        )
+    if earlier:
+        print(f"({earlier:,} of them were evaluated by earlier runs and reused)")
+
+
+def _print_outcomes(root, folder_rows: int, report, rejected_title: str, repeats=()) -> None:
     print(
-        f"\nresults: {store.root} ({folder_rows:,} rows; this run, {report.run_id}, evaluated "
+        f"\nresults: {root} ({folder_rows:,} rows; this run, {report.run_id}, evaluated "
         f"{report.evaluated:,} in {report.seconds:.1f} s)"
     )
     if repeats:
@@ -193,10 +185,8 @@ def run(cfg: DictConfig) -> int:
     check_top_level(cfg)
     check_run_options(cfg)
     repeats = merge_repeats(cfg)
-    if cfg.mode == "recommend":
-        return _run_recommend(cfg)
-    if cfg.workload == "serving":
-        return _run_serving(cfg, repeats)
+    if cfg.workload == "serving" or cfg.mode == "recommend":
+        return run_serving_job(cfg, repeats)
     if cfg.workload != "training":
         raise StageDseError(f"workload={cfg.workload!r} is not one of: training, serving")
     spec = to_sweep(cfg)
@@ -244,7 +234,10 @@ def _print_run_notes(cfg, spec, search, measured_share) -> None:
             "multiples doubling, and the budget itself; other counts: num_gpus=[...] instead)"
         )
     if spec.timing == "measured":
-        _print_tables_note(spec.hardware)
+        from stage_dse.runner.sweep import tables_notes
+
+        for note in tables_notes(spec.hardware):
+            print(note)
         if measured_share is not None:
             print(
                 f"timing: measured kernel tables for {measured_share:.0%} of the step time "
@@ -257,14 +250,14 @@ def _grid_summary(cfg, spec, store, report, repeats) -> None:
     (:class:`stage_dse.runner.aggregate.RunSummary`): the dataset is not read back."""
     summary = report.summary
     _print_outcomes(
-        store, report.folder_rows, report, "plans rejected before evaluation, by rule:", repeats
+        store.root,
+        report.folder_rows,
+        report,
+        "plans rejected before evaluation, by rule:",
+        repeats,
     )
     _print_run_notes(cfg, spec, None, summary.median_measured_share())
-    if summary.rows < report.folder_rows:
-        print(
-            f"(summary over the {summary.rows:,} rows of this run's configurations; "
-            f"{report.folder_rows - summary.rows:,} other rows in the folder are not shown)"
-        )
+    print_run_rows(summary.rows, report.folder_rows, 0)  # its reuse is said below
     if summary.reused:
         from stage_dse.results.schema import RESULT_SCHEMA
         from stage_dse.runner.aggregate import SUMMARY_COLUMNS
@@ -324,7 +317,9 @@ def _optuna_summary(cfg, spec, search, store, report, repeats) -> None:
     """The summary of an Optuna study (a few thousand trials at most): this run's
     configurations read back from the folder."""
     df = store.read()
-    _print_outcomes(store, len(df), report, "plans rejected before evaluation, by rule:", repeats)
+    _print_outcomes(
+        store.root, len(df), report, "plans rejected before evaluation, by rule:", repeats
+    )
     share = None
     if spec.timing == "measured":
         ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
@@ -381,64 +376,6 @@ def _print_memory_basis(spec, search) -> None:
         )
 
 
-def _run_serving(cfg: DictConfig, repeats=()) -> int:
-    from stage_dse.config.schema import to_serving_sweep
-    from stage_dse.results.store import ResultStore
-    from stage_dse.runner.serving import run_serving, serving_top_table
-
-    spec = to_serving_sweep(cfg)
-    ttft_ms, tpot_ms = _sla(cfg)  # checked before anything is evaluated
-    timing = _serving_timing(cfg, spec.hardware)
-    store = ResultStore(Path(cfg.results_dir) / spec.name, replace_stale=cfg.replace_stale)
-    report = run_serving(spec, store, timing=timing)
-    df = store.read()
-    _print_outcomes(store, len(df), report, "configurations rejected, by rule:", repeats)
-    if timing == "measured":
-        _print_tables_note(spec.hardware)
-        ok = df[(df["status"] == "ok") & (df["run_id"] == report.run_id)]
-        if len(ok):
-            share = float(ok["measured_share"].median())
-            step = "engine step" if spec.mode == "continuous" else "request time"
-            print(
-                f"timing: measured kernel tables for {share:.0%} of the {step} (median over "
-                "this run's configurations), roofline for the rest"
-            )
-    df = _rows_of_run(
-        df,
-        "serving",
-        [spec.model.name],
-        [hw.name for hw in spec.hardware],
-        spec.cluster.name,
-        run_id=report.run_id,
-        timing=timing,
-    )
-    top = serving_top_table(df, cfg.top_k)
-    print(f"\ntop {len(top)} serving configurations by decode tokens/s per GPU:")
-    print(top.to_string(index=False) if len(top) else "  none fits")
-    if ttft_ms or tpot_ms:
-        from stage_dse.results.analysis import pareto
-
-        ok = df[df["status"] == "ok"]
-        meets = ok[
-            (ok["ttft_s"] * 1e3 <= (ttft_ms or np.inf))
-            & (ok["tpot_s"] * 1e3 <= (tpot_ms or np.inf))
-        ]
-        per_user = 1.0 / meets["tpot_s"]
-        scored = meets.assign(neg_gpu=-meets["decode_tokens_per_s_per_gpu"], neg_user=-per_user)
-        front = pareto(scored, ["neg_gpu", "neg_user"]).sort_values("neg_user")
-        print(
-            f"\nPareto front of tokens/s per GPU vs tokens/s per user within TTFT <= "
-            f"{ttft_ms or 'any'} ms, TPOT <= {tpot_ms or 'any'} ms "
-            f"({len(meets):,} of {len(ok):,} configurations meet the targets):"
-        )
-        table = serving_top_table(front, len(front), by="tpot_s")
-        print(table.to_string(index=False) if len(table) else "  none meets the targets")
-    if cfg.serving.target_requests_per_s and ttft_ms and tpot_ms:
-        print()
-        _run_recommend(cfg)
-    return report.evaluated
-
-
 INTERRUPTED = (
     "interrupted: every part written so far is kept; run the same command again to resume "
     "(stored configurations are skipped)"
@@ -479,13 +416,10 @@ def _forget_run_record() -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Everything a job checks before it evaluates anything (specs built, ranges checked)."""
-    from stage_dse.config.schema import to_serving_sweep
-
     check_top_level(cfg)
     check_run_options(cfg)
     if cfg.workload == "serving" or cfg.mode == "recommend":
-        spec = to_serving_sweep(cfg)
-        _serving_timing(cfg, spec.hardware)
+        check_serving_job(cfg)
         return
     to_sweep(cfg)
     if cfg.search.kind == "optuna":

@@ -26,6 +26,7 @@ from stage_dse.spec import (
     ModelSpec,
     OptunaSpec,
     SearchSpace,
+    ServingJob,
     ServingSweepSpec,
     SweepSpec,
     TrainingSpec,
@@ -37,6 +38,7 @@ __all__ = [
     "register_schemas",
     "to_optuna",
     "to_search_space",
+    "to_serving_job",
     "to_serving_sweep",
     "to_sweep",
 ]
@@ -557,4 +559,26 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         burst=int(sv.get("burst", 0)),
         output_lengths=spread,
         max_total_tokens=int(cap),
+    )
+
+
+def to_serving_job(cfg: DictConfig) -> ServingJob:
+    """A serving job (``workload=serving`` or ``mode=recommend``): the sweep and every option
+    asked of it. ``serving.batch_size`` caps a recommendation's running requests only when
+    stated (the static sweep's default states none: the engine's cap holds)."""
+    c = _plain(cfg)
+    sv, sla = c["serving"], c["serving"]["sla"]
+    sweep = to_serving_sweep(cfg)
+    stated = list(sweep.batch_sizes) != ServingConf().batch_size
+    return ServingJob(
+        sweep=sweep,
+        mode="recommend" if c["mode"] == "recommend" else "sweep",
+        timing=c.get("timing", "roofline"),
+        ttft_sla_ms=sla["ttft_ms"],
+        tpot_sla_ms=sla["tpot_ms"],
+        target_requests_per_s=sv["target_requests_per_s"],
+        top_k=c["top_k"],
+        max_running=max(sweep.batch_sizes) if stated else None,
+        prefill_hardware=load_hardware(sv["prefill_hardware"]) if sv["prefill_hardware"] else None,
+        kv_link=sv["kv_link"],
     )

@@ -37,7 +37,16 @@ from stage_dse.runner.executors import Executor
 from stage_dse.search.space import enumerate_plans
 from stage_dse.spec.sweep import SweepSpec
 
-__all__ = ["TIE_REL", "SweepReport", "SweepSpec", "build_table", "run_grid", "top_table"]
+__all__ = [
+    "TIE_REL",
+    "SweepReport",
+    "SweepSpec",
+    "build_table",
+    "rows_of_run",
+    "run_grid",
+    "tables_notes",
+    "top_table",
+]
 
 GIB = 2.0**30
 
@@ -428,3 +437,44 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
         shown = "gpu_s" if by == "gpu_seconds" else "step_s"
         table.insert(table.columns.get_loc(shown) + 1, "tie", ties)
     return table.reset_index(drop=True)
+
+
+def rows_of_run(
+    df: pd.DataFrame,
+    workload: str,
+    models,
+    hardware,
+    cluster: str,
+    gpus=None,
+    training=None,
+    timing: str = "roofline",
+) -> pd.DataFrame:
+    """The rows of one run's configurations (a results folder may hold other runs' rows too):
+    same workload, models, hardware (Optuna's capacity variants ``name@..GiB`` included),
+    cluster, GPU counts, training step and timing source."""
+    hw = df["hardware"].astype(str).str.split("@").str[0]
+    keep = (
+        (df["workload"].astype(str) == workload)
+        & df["model"].astype(str).isin(list(models))
+        & hw.isin(list(hardware))
+        & (df["cluster"].astype(str) == cluster)
+        & (df["timing"].astype(object).fillna("roofline").astype(str) == timing)
+    )
+    if gpus is not None:
+        keep &= df["num_gpus"].isin(list(gpus))
+    if training is not None:
+        keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
+        keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
+    return df[keep]
+
+
+def tables_notes(hardware) -> list[str]:
+    """``timing=measured``: one line per part without measured kernel tables (its rows keep
+    the roofline)."""
+    from stage_dse.kernels.tables import table_set
+
+    return [
+        f"note: timing=measured: no measured kernel tables for {hw.name}; its rows use the roofline"
+        for hw in hardware
+        if table_set(hw) is None
+    ]

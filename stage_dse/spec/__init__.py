@@ -14,7 +14,7 @@ from stage_dse.spec.plan import (
     Recompute,
     validate_plan,
 )
-from stage_dse.spec.sweep import OptunaSpec, SearchSpace, ServingSweepSpec, SweepSpec
+from stage_dse.spec.sweep import OptunaSpec, SearchSpace, ServingJob, ServingSweepSpec, SweepSpec
 from stage_dse.spec.training import DType, Optimizer, TrainingSpec, check_gemm_dtype
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "PositionKind",
     "Recompute",
     "SearchSpace",
+    "ServingJob",
     "ServingSweepSpec",
     "SweepSpec",
     "TrainingSpec",

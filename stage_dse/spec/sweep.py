@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import MAX_GPUS, one_of, positive_int
+from stage_dse.spec._validate import MAX_GPUS, one_of, positive_int, positive_number
 from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
@@ -23,6 +23,7 @@ __all__ = [
     "OBJECTIVES",
     "OptunaSpec",
     "SearchSpace",
+    "ServingJob",
     "ServingSweepSpec",
     "SweepSpec",
     "divisors",
@@ -231,3 +232,71 @@ class ServingSweepSpec:
     max_total_tokens: int = 0
     """Continuous batching: exponential output lengths keep prompt plus output within this
     (0: no cap; 2,048 is vLLM's ShareGPT sampler's)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingJob:
+    """One serving job: the sweep's space and everything asked of it, handed whole to
+    :func:`stage_dse.runner.serving_job.run_serving_job`.
+
+    ``mode="sweep"`` evaluates and stores every configuration of ``sweep``, ranks the top
+    ``top_k``, takes the front within the latency targets when one is given and, when both
+    targets and ``target_requests_per_s`` are given, recommends deployments too;
+    ``mode="recommend"`` only recommends (both targets and a rate are then required)."""
+
+    sweep: ServingSweepSpec
+    mode: str = "sweep"
+    timing: str = "roofline"
+    """``roofline`` or ``measured`` (kernel tables where they reach), for every row."""
+    ttft_sla_ms: float | None = None
+    """Time to first token target (None: no target)."""
+    tpot_sla_ms: float | None = None
+    """Time per output token target (None: no target)."""
+    target_requests_per_s: float = 0.0
+    """Recommend: the request rate to serve (0: no recommendation after a sweep)."""
+    top_k: int = 10
+    max_running: int | None = None
+    """Recommend: running requests per attention rank at most (None: the engine's cap);
+    set when ``serving.batch_size`` was stated."""
+    prefill_hardware: HardwareSpec | None = None
+    """Recommend: the GPU of the disaggregated prefill pool (None: each hardware's own)."""
+    kv_link: str = "nic"
+    """Recommend: ``nic`` or ``nvlink``, the link the KV cache crosses to the decode pool."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sweep", "recommend"):
+            raise ConfigError(f"mode={self.mode!r}: a serving job is a sweep or a recommend")
+        if self.timing not in ("roofline", "measured"):
+            raise ConfigError(f"timing={self.timing!r} is not one of: roofline, measured")
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name.replace("_ms", "_sla_ms"))
+            if value is not None:
+                positive_number("serving.sla", name, value)
+        top_k = self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ConfigError(
+                f"top_k must be an integer >= 1 (rows of the top table), got {top_k!r}"
+            )
+        if not self.target_requests_per_s >= 0:
+            raise ConfigError(
+                f"serving.target_requests_per_s must be >= 0, got {self.target_requests_per_s}"
+            )
+        if self.mode == "recommend":
+            if not (self.ttft_sla_ms and self.tpot_sla_ms):
+                raise ConfigError(
+                    "mode=recommend needs serving.sla.ttft_ms and serving.sla.tpot_ms"
+                )
+            if not self.target_requests_per_s > 0:
+                raise ConfigError(
+                    "mode=recommend needs serving.target_requests_per_s > 0, got "
+                    f"{self.target_requests_per_s}"
+                )
+
+    @property
+    def recommends(self) -> bool:
+        """Whether the job answers with deployments: ``mode="recommend"``, or a sweep given
+        both latency targets and a request rate."""
+        return bool(
+            self.mode == "recommend"
+            or (self.target_requests_per_s and self.ttft_sla_ms and self.tpot_sla_ms)
+        )
