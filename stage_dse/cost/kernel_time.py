@@ -166,3 +166,17 @@ def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
                 if len(users) == 1 and users[0].kind in fusible and t not in saved:
                     out[op] = out.get(op, sp.Integer(0)) + 2 * t.local_bytes
     return out
+
+
+MOE_FUSED = (
+    "router_softmax",
+    "moe_dispatch",
+    "experts.gate_proj",
+    "experts.up_proj",
+    "experts.swiglu",
+    "experts.down_proj",
+    "moe_combine",
+)
+"""The ops of a routed-expert block that engines run as one fused MoE kernel (TensorRT-LLM's
+``fused_moe``, vLLM's ``FusedMoE``, SGLang's likewise: top-k routing, the permutation to
+expert order, both grouped GEMMs with the gated activation, the weighted un-permutation)."""

@@ -42,6 +42,7 @@ import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
 from stage_dse.cost.expr import lazy_xreplace
+from stage_dse.cost.kernel_time import MOE_FUSED
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import (
@@ -575,20 +576,6 @@ class _Measure:
         intra = domain_collective_time(op.coll, n_in, op.comm_bytes)
         kind = "engine_all_reduce" if op.coll is CollKind.ALL_REDUCE else op.coll.value
         return self._time(Kernel(kind, (op.comm_bytes, n_in, n_out, intra), seconds))
-
-
-MOE_FUSED = (
-    "router_softmax",
-    "moe_dispatch",
-    "experts.gate_proj",
-    "experts.up_proj",
-    "experts.swiglu",
-    "experts.down_proj",
-    "moe_combine",
-)
-"""The ops of a routed-expert block that engines run as one fused MoE kernel (TensorRT-LLM's
-``fused_moe``, vLLM's ``FusedMoE``, SGLang's likewise: top-k routing, the permutation to
-expert order, both grouped GEMMs with the gated activation, the weighted un-permutation)."""
 
 
 def _batched(op) -> bool:
