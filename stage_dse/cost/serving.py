@@ -500,7 +500,7 @@ class _Measure:
         roofline = _sum(_compute_time(op) for op in block.values()) * clock
         shape = (tokens, hidden, width, S.top_k, experts, moe_tp, moe_ep, w.dtype_bytes)
         kernel = Kernel("moe", (*shape, S.gemm_bytes, self.routing), roofline)
-        self.fused = {name: sp.Integer(0) for name in block}
+        self.fused.update({name: sp.Integer(0) for name in block})
         self.fused["experts.gate_proj"] = self._time(kernel) / clock
 
     def _time(self, kernel: Kernel) -> sp.Symbol:

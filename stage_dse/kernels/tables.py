@@ -36,8 +36,8 @@ objects, in seconds and bytes:
   (``power_law_1.01``, ``power_law_1.2``). Collections measure different models, so every
   collection is read, the newest one's measurement of a layout kept; among kernels measured
   for one layout (CUTLASS, DeepGEMM, ...) the fastest at each token count (the engine picks
-  its MoE backend), the non-gated kernels (ReLU² experts) and the low-latency variant
-  (an opt-in mode) left out.
+  its MoE backend: TensorRT-LLM's low-latency FP4 kernel included), the non-gated kernels
+  (ReLU² experts) left out.
 
 The TensorRT-LLM backend's newest collection is used (its GEMMs and attention are the
 cuBLAS/FMHA kernels training frameworks call too). Tables load once per process (and per Ray
@@ -253,8 +253,8 @@ def _read(root: Path, gpu: str, version: str) -> MeasuredTables:
 
 
 MOE_LEFT_OUT = ("moe_torch_flow_nongated",)
-"""Kernel sources of ``moe_perf`` not read: non-gated experts (ReLU², no SwiGLU model here
-has them) and TensorRT-LLM's opt-in low-latency FP4 kernel."""
+"""Kernel sources of ``moe_perf`` not read: non-gated experts (ReLU²; the experts here are
+SwiGLU)."""
 MOE_LAYOUT = [
     "moe_dtype",
     "hidden_size",

@@ -235,9 +235,9 @@ def _moe_formats(expert_bytes: float, gemm_bytes: float) -> tuple[str, ...]:
     """The ``moe_perf`` formats that time experts stored in ``expert_bytes`` per value whose
     GEMMs run at ``gemm_bytes`` (the pass's GEMM format), in order of preference: 16-bit
     experts in bf16; FP8 experts where the GEMMs run in FP8 (W8A8; none for FP8 storage on
-    16-bit math); MXFP4 experts (0.53125 bytes) weight-only beside 16-bit GEMMs (W4A16) or with
-    16-bit activations where the GPU has no kernel for MXFP8 ones (W4A16: Hopper, Ampere);
-    NVFP4 experts (0.5625 bytes) with FP4 GEMMs."""
+    16-bit math); MXFP4 experts (0.53125 bytes) with MXFP8 activations where the GPU has that
+    kernel (W4A8: Blackwell, as TensorRT-LLM runs MXFP4 checkpoints there), else with 16-bit
+    activations (W4A16: Hopper, Ampere); NVFP4 experts (0.5625 bytes) with FP4 GEMMs."""
     if expert_bytes >= 1.5:
         return ("bfloat16",)
     if expert_bytes >= 0.75:
