@@ -15,6 +15,7 @@ import yaml
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec
 from stage_dse.spec.engine import EngineSpec
+from stage_dse.spec.framework import FrameworkSpec
 
 __all__ = [
     "cluster_from_dict",
@@ -138,17 +139,9 @@ def load_cluster(name: str, **overrides: Any) -> ClusterSpec:
     return cluster_from_dict({**read_preset("cluster", name), **overrides})
 
 
-FRAMEWORK_FIELDS = (
-    "attention",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "tp_dgrad_overlap",
-    "tp_comm_overlap",
-    "ep_comm_overlap",
-    "zero_sync_per_tensor",
-)
-"""Plan fields a framework profile (``conf/framework/<name>.yaml``) sets: what the framework
-does, not what the user chooses."""
+FRAMEWORK_FIELDS = tuple(f.name for f in dataclasses.fields(FrameworkSpec) if f.name != "name")
+"""Fields a framework profile (``conf/framework/<name>.yaml``) sets: what the framework does,
+not what the user chooses (:class:`stage_dse.spec.framework.FrameworkSpec`)."""
 
 
 def load_engine(name: str, **overrides: Any) -> EngineSpec:
@@ -175,16 +168,13 @@ def engine_from_dict(data: dict[str, Any]) -> EngineSpec:
     return EngineSpec(**data)
 
 
-def load_framework(name: str) -> dict[str, Any]:
-    """The plan fields of a framework profile (``conf/framework/<name>.yaml``)."""
+def load_framework(name: str) -> FrameworkSpec:
+    """A framework profile (``conf/framework/<name>.yaml``)."""
     data = read_preset("framework", name)
-    data.pop("name", None)
-    unknown = sorted(set(data) - set(FRAMEWORK_FIELDS))
+    data["name"] = data.get("name", name)
+    unknown = sorted(set(data) - {"name", *FRAMEWORK_FIELDS})
     if unknown:
         raise ConfigError(
             f"framework.{unknown[0]} is not a known field; valid: {', '.join(FRAMEWORK_FIELDS)}"
         )
-    for key, value in data.items():
-        if key != "attention" and not isinstance(value, bool):
-            raise ConfigError(f"framework.{key} must be true or false, got {value!r}")
-    return data
+    return FrameworkSpec(**data)

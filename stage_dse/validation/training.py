@@ -34,6 +34,7 @@ from stage_dse.config import load_cluster, load_framework, load_hardware
 from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -114,7 +115,8 @@ def training_setup(case: Case) -> TrainingSetup:
     training = TrainingSpec(
         seq_len=f["seq_len"],
         global_batch_size=f["global_batch"],
-        grads_dtype=f.get("grads", "bf16"),
+        # the record's stated gradient precision, else the framework's, else 16-bit
+        grads_dtype=f.get("grads") or (framework.grads_dtype or "bf16"),
         gemm_dtype="fp8" if precision == "fp8" else "bf16",
     )
     for key in ("recompute", "zero"):
@@ -155,7 +157,7 @@ def training_setup(case: Case) -> TrainingSetup:
     return setup
 
 
-def _plan(f: dict, framework: dict, model: ModelSpec) -> ParallelPlan:
+def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     tp, pp, cp = f.get("tp", 1), f.get("pp", 1), f.get("cp", 1)
     gpus = f["gpus"]
     if gpus % (tp * pp * cp):
@@ -169,7 +171,7 @@ def _plan(f: dict, framework: dict, model: ModelSpec) -> ParallelPlan:
     if etp not in (None, 1, tp):
         raise Unexpressible(f"expert tensor parallel etp({etp}) other than 1 or tp({tp})")
     v = f.get("virtual_stages", 1)
-    flags = {k: val for k, val in framework.items() if k != "attention"}
+    flags = framework.plan_flags()
     if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
         flags["tp_comm_overlap"] = True
     return ParallelPlan(
@@ -183,7 +185,7 @@ def _plan(f: dict, framework: dict, model: ModelSpec) -> ParallelPlan:
         zero_stage=zero,
         micro_batch_size=f.get("micro_batch", 1),
         recompute=f.get("recompute", "none"),
-        attention=f.get("attention", framework.get("attention", "flash")),
+        attention=f.get("attention", framework.attention),
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
         stage_layers=str(f.get("stage_layers", "balanced")),

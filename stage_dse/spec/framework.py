@@ -1,0 +1,98 @@
+"""``FrameworkSpec``: what a training framework does with a plan, apart from the plan itself.
+
+The same parallel plan runs differently under Megatron-Core, torchtitan's FSDP2 or DeepSpeed:
+which collectives overlap which compute, whether a module's parameters move one tensor at a
+time, in which precision gradients are accumulated and reduced. Those are properties of the
+framework (profiles in ``conf/framework/``, each citing where its behaviour is documented),
+not choices a user makes per plan, so a sweep ranges over frameworks as one axis and every
+result row names the framework it was evaluated under.
+
+What lives here: the profile dataclass and its validation. What does not: the profiles
+themselves (YAML, read by :mod:`stage_dse.config.presets`), any cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from stage_dse.errors import ConfigError
+from stage_dse.spec._validate import coerce_enum
+from stage_dse.spec.plan import AttentionKernel
+from stage_dse.spec.training import DType
+
+__all__ = ["PLAN_FLAGS", "FrameworkSpec"]
+
+PLAN_FLAGS = (
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "tp_dgrad_overlap",
+    "tp_comm_overlap",
+    "ep_comm_overlap",
+    "zero_sync_per_tensor",
+)
+"""The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
+
+GRAD_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkSpec:
+    """A training framework's behaviours. The defaults are Megatron-Core's (distributed
+    optimizer with overlapped gradient reduce-scatter and parameter all-gather, asynchronous
+    backward tensor-parallel reductions, no userbuffer GEMM overlap)."""
+
+    name: str = "megatron_core"
+    attention: AttentionKernel = AttentionKernel.FLASH
+    """The attention kernel the framework runs (the corpus's default for its records; sweeps
+    take the kernel from ``plan.attention``)."""
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_dgrad_overlap: bool = True
+    tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
+    zero_sync_per_tensor: bool = False
+    grads_dtype: DType | None = None
+    """Precision of the gradient buffers and of their data-parallel reduction when the framework
+    fixes it (Composer's FSDP ``DEFAULT`` mixed precision and torchtitan's FSDP2 reduce in fp32);
+    None: the training step's ``grads_dtype``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"framework.name must be a non-empty text, got {self.name!r}")
+        for flag in PLAN_FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(
+                    f"framework.{flag} must be true or false, got {getattr(self, flag)!r}"
+                )
+        object.__setattr__(
+            self, "attention", coerce_enum(AttentionKernel, "framework", "attention", self.attention)
+        )
+        if self.grads_dtype is not None:
+            dtype = coerce_enum(DType, "framework", "grads_dtype", self.grads_dtype)
+            if dtype not in GRAD_DTYPES:
+                raise ConfigError(
+                    f"framework.grads_dtype={dtype.value} is not one of: "
+                    + ", ".join(d.value for d in GRAD_DTYPES)
+                )
+            object.__setattr__(self, "grads_dtype", dtype)
+
+    def plan_flags(self) -> dict[str, bool]:
+        """The plan fields this framework sets (:data:`PLAN_FLAGS`)."""
+        return {flag: getattr(self, flag) for flag in PLAN_FLAGS}
+
+    def with_flags(self, **flags: bool | None) -> FrameworkSpec:
+        """This framework with some plan flags forced (None leaves a flag as it is); the name
+        records what was changed (``megatron_core[tp_comm_overlap=true]``)."""
+        changed = {k: v for k, v in flags.items() if v is not None and getattr(self, k) != v}
+        unknown = sorted(set(changed) - set(PLAN_FLAGS))
+        if unknown:
+            raise ConfigError(f"framework.{unknown[0]} is not a plan flag a framework sets")
+        if not changed:
+            return self
+        label = ",".join(f"{k}={str(v).lower()}" for k, v in sorted(changed.items()))
+        return dataclasses.replace(self, name=f"{self.name}[{label}]", **changed)
+
+    def grads(self, training_grads: DType) -> DType:
+        """The gradient dtype of a step under this framework."""
+        return training_grads if self.grads_dtype is None else self.grads_dtype
