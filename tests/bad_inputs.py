@@ -53,6 +53,11 @@ CASES: list[tuple] = [
     ("stage-dse", ["plan.stage_layers=[abc]"], "stage_layers"),
     ("stage-dse", ["plan.rank_order=[tp-dp]"], "rank_order"),
     ("stage-dse", ["plan.ep=[2]"], "ep"),
+    ("stage-dse", ["plan.framework=[nope]"], "plan.framework"),
+    ("stage-dse", ["plan.framework=[nemo,nemo]"], "plan.framework"),
+    ("stage-dse", ["plan.framework=[7]"], "plan.framework"),
+    ("stage-dse", ["plan.tp_comm_overlap=sometimes"], "tp_comm_overlap"),
+    ("stage-dse", ["training.grads_dtype=fp8"], "grads_dtype"),
     ("stage-dse", ["runner=nope"], "runner"),
     ("stage-dse", ["runner.batch_size=0"], "batch_size"),
     ("stage-dse", ["runner.kind=slurm"], "runner.kind"),
@@ -129,6 +134,11 @@ CASES: list[tuple] = [
     ("stage-dse-trace", ["json", "{tmp}/missing.et"], "missing.et"),
     ("stage-dse-trace", ["select", "{tmp}/missing"], "missing"),
     ("stage-dse-trace", ["config", "{tmp}/t", "plan.tp=[1,2]"], "plan.tp"),
+    (
+        "stage-dse-trace",
+        ["config", "{tmp}/t", "plan.framework=[nemo,megatron_core]"],
+        "plan.framework",
+    ),
     ("stage-dse-trace", ["config", "{tmp}/t", "num_gpus=[8,16]"], "num_gpus"),
     (
         "stage-dse-trace",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from stage_dse.cli._common import OneLineParser, compose, one_line_errors
@@ -128,6 +129,10 @@ def _config_mode(
     if len(spec.gpu_counts) != 1:
         raise ConfigError("num_gpus: give exactly one GPU count for a trace")
     sp_ = spec.space
+    if len(sp_.frameworks) != 1:
+        names = [f.name for f in sp_.frameworks]
+        raise ConfigError(f"plan.framework: give exactly one framework for a trace, got {names}")
+    framework = sp_.frameworks[0]
     one = {}
     for name in ("tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size",
                  "zero_stage", "recompute", "sequence_parallel", "attention", "virtual_stages",
@@ -137,6 +142,7 @@ def _config_mode(
         if isinstance(values, str) or len(values) != 1:
             raise ConfigError(f"plan.{name}: give exactly one value for a trace, got {values!r}")
         one[name] = values[0]
+    training = replace(spec.training, grads_dtype=framework.grads(spec.training.grads_dtype))
     n = spec.gpu_counts[0]
     mp = one["tp"] * one["pp"] * one["cp"]
     if n % mp:
@@ -146,20 +152,14 @@ def _config_mode(
         dp=n // mp,
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
-        overlap_grad_reduce=sp_.overlap_grad_reduce,
-        overlap_param_gather=sp_.overlap_param_gather,
-        tp_comm_overlap=sp_.tp_comm_overlap,
-        tp_dgrad_overlap=sp_.tp_dgrad_overlap,
-        ep_comm_overlap=sp_.ep_comm_overlap,
+        **framework.plan_flags(),
         **one,
     )
     cluster = spec.cluster.replace(num_gpus=n)
-    plan_row(spec.models[0], spec.training, plan, spec.hardware[0], cluster)  # validates
-    row = _spec_row(
-        plan, spec.models[0].num_layers, n, global_batch=spec.training.global_batch_size
-    )
+    plan_row(spec.models[0], training, plan, spec.hardware[0], cluster)  # validates
+    row = _spec_row(plan, spec.models[0].num_layers, n, global_batch=training.global_batch_size)
     check_size(estimate_trace_bytes(row), 1, max_bytes, log)
-    return TraceConfig(spec.models[0], spec.training, plan, spec.hardware[0], cluster, granularity)
+    return TraceConfig(spec.models[0], training, plan, spec.hardware[0], cluster, granularity)
 
 
 def _simulate(args) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "cluster_from_dict",
     "conf_dir",
     "engine_from_dict",
+    "framework_from_dict",
     "hardware_from_dict",
     "list_presets",
     "load_cluster",
@@ -171,10 +172,17 @@ def engine_from_dict(data: dict[str, Any]) -> EngineSpec:
 def load_framework(name: str) -> FrameworkSpec:
     """A framework profile (``conf/framework/<name>.yaml``)."""
     data = read_preset("framework", name)
-    data["name"] = data.get("name", name)
+    return framework_from_dict({"name": name, **data})
+
+
+def framework_from_dict(data: dict[str, Any]) -> FrameworkSpec:
+    """A framework profile from its fields (a preset's, or one written inline in a sweep)."""
     unknown = sorted(set(data) - {"name", *FRAMEWORK_FIELDS})
     if unknown:
         raise ConfigError(
-            f"framework.{unknown[0]} is not a known field; valid: {', '.join(FRAMEWORK_FIELDS)}"
+            f"framework.{unknown[0]} is not a known field; valid: name, "
+            + ", ".join(FRAMEWORK_FIELDS)
         )
+    if "name" not in data:
+        raise ConfigError("framework.name is missing: a profile written inline needs a name")
     return FrameworkSpec(**data)

@@ -21,15 +21,20 @@ from stage_dse.config.presets import (
     load_engine,
     load_hardware,
 )
+from stage_dse.config.space import (
+    budget_gpu_counts,
+    check_explicit_degrees,
+    to_search_space,
+    training_step,
+)
+from stage_dse.config.space import spec_from as _spec
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
     ModelSpec,
     OptunaSpec,
-    SearchSpace,
     ServingJob,
     ServingSweepSpec,
     SweepSpec,
-    TrainingSpec,
 )
 from stage_dse.spec._validate import MAX_GPUS
 
@@ -136,7 +141,9 @@ class TrainingConf:
     seq_len: int = 4096
     global_batch_size: int = 256
     params_dtype: str = "bf16"
-    grads_dtype: str = "bf16"
+    grads_dtype: str | None = None
+    """Gradient buffers and their reduction; null: the framework's (fp32 under Megatron-Core,
+    torchtitan, Composer), bf16 where the framework does not fix it."""
     master_dtype: str = "fp32"
     optimizer: str = "adam"
     optimizer_state_dtype: str = "fp32"
@@ -163,11 +170,16 @@ class PlanConf:
     stage_layers: list[Any] = field(default_factory=lambda: ["balanced"])
     """Layer splits over pipeline stages: balanced, ceil, or lists of layers per virtual stage."""
     rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    tp_comm_overlap: bool = False
-    tp_dgrad_overlap: bool = True
-    ep_comm_overlap: bool = False
+    framework: Any = field(default_factory=lambda: ["megatron_core"])
+    """Framework profiles (``conf/framework/``) every plan is evaluated under: a name or a
+    list of names, one row per plan and framework."""
+    overlap_grad_reduce: bool | None = None
+    """This and the flags below force a framework behaviour for every framework of the sweep
+    (null: each framework's own; the row's framework is then named with the change)."""
+    overlap_param_gather: bool | None = None
+    tp_comm_overlap: bool | None = None
+    tp_dgrad_overlap: bool | None = None
+    ep_comm_overlap: bool | None = None
 
 
 @dataclass
@@ -317,20 +329,6 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
-def _spec(kind: str, factory, data: dict) -> Any:
-    if dataclasses.is_dataclass(factory):
-        known = [f.name for f in dataclasses.fields(factory) if f.init]
-        unknown = [k for k in data if k not in known]
-        if unknown:
-            raise ConfigError(
-                f"{kind}.{unknown[0]} is not a {kind} option (known: {', '.join(known)})"
-            )
-    try:
-        return factory(**data)
-    except TypeError as exc:
-        raise ConfigError(f"{kind}: {exc}") from None
-
-
 def check_top_level(cfg: DictConfig) -> None:
     """Refuse keys the schema does not know (``+foo=1`` would otherwise be ignored silently)."""
     known = {f.name for f in dataclasses.fields(Config)}
@@ -341,41 +339,11 @@ def check_top_level(cfg: DictConfig) -> None:
         )
 
 
-def to_search_space(plan: dict) -> SearchSpace:
-    data = dict(plan)
-    for name in ("tp", "pp", "cp", "ep"):
-        v = data[name]
-        if isinstance(v, int) and not isinstance(v, bool):
-            data[name] = [v]
-        elif isinstance(v, str) and v != "auto":
-            raise ConfigError(f"plan.{name}={v!r}: give an integer, a list of integers or 'auto'")
-    for name in (
-        "expert_tensor_parallel",
-        "micro_batch_size",
-        "zero_stage",
-        "recompute",
-        "sequence_parallel",
-        "attention",
-        "virtual_stages",
-        "rank_order",
-    ):
-        v = data[name]
-        if not isinstance(v, list | tuple):
-            data[name] = [v]
-    splits = data.get("stage_layers", ["balanced"])
-    if isinstance(splits, str) or (
-        isinstance(splits, list | tuple) and splits and all(isinstance(x, int) for x in splits)
-    ):
-        splits = [splits]  # one split given alone
-    data["stage_layers"] = splits
-    return _spec("plan", SearchSpace, data)
-
-
 def to_sweep(cfg: DictConfig) -> SweepSpec:
     """The training sweep of one Hydra job, with the model-level plan checks done."""
     c = _plain(cfg)
     model = _spec("model", ModelSpec, c["model"])
-    training = _spec("training", TrainingSpec, c["training"])
+    training, grads = training_step(c["training"])
     hardware = hardware_from_dict(c["hardware"])
     num_gpus = c["num_gpus"]
     if not isinstance(num_gpus, list | tuple):
@@ -386,6 +354,10 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
         if n > MAX_GPUS:
             raise ConfigError(f"num_gpus={n} is beyond {MAX_GPUS:,}, past physical sense")
     space = to_search_space(c["plan"])
+    if grads is not None:  # a stated gradient precision holds under every framework
+        space = dataclasses.replace(
+            space, frameworks=[dataclasses.replace(f, grads_dtype=grads) for f in space.frameworks]
+        )
     check_explicit_degrees(space, model, training)
     cluster_data = dict(c["cluster"])
     cluster_data["num_gpus"] = max(num_gpus) if num_gpus else cluster_data["num_gpus"]
@@ -422,40 +394,6 @@ def to_sweep(cfg: DictConfig) -> SweepSpec:
         if gpu is not None:
             load_tables(gpu)  # the extra and the table set checked before any work
     return spec
-
-
-def budget_gpu_counts(max_gpus: int, gpus_per_node: int) -> list[int]:
-    """Powers of two up to one node, then multiples of a node doubling up to ``max_gpus``."""
-    counts, n = [], 1
-    while n <= max_gpus:
-        if n <= gpus_per_node or n % gpus_per_node == 0:
-            counts.append(n)
-        n *= 2
-    if max_gpus not in counts and (max_gpus <= gpus_per_node or max_gpus % gpus_per_node == 0):
-        counts.append(max_gpus)
-    return counts
-
-
-def check_explicit_degrees(space: SearchSpace, model: ModelSpec, training: TrainingSpec) -> None:
-    """Explicitly listed degrees must suit the model (``auto`` filters silently)."""
-    if not isinstance(space.tp, str):
-        for tp in space.tp:
-            for what, n in (
-                ("heads", model.num_heads),
-                ("kv_heads", model.num_kv_heads),
-                ("ffn_hidden_size", model.ffn_hidden_size),
-                ("vocab", model.vocab_size),
-            ):
-                if n % tp:
-                    raise ConfigError(f"plan.tp={tp}: tp({tp}) does not divide {what}({n})")
-    if not isinstance(space.pp, str):
-        for pp in space.pp:
-            if pp > model.num_layers:
-                raise ConfigError(f"plan.pp={pp}: pp({pp}) > layers({model.num_layers})")
-    if not isinstance(space.cp, str):
-        for cp in space.cp:
-            if training.seq_len % cp:
-                raise ConfigError(f"plan.cp={cp}: cp({cp}) does not divide seq({training.seq_len})")
 
 
 def to_optuna(cfg: DictConfig) -> OptunaSpec:

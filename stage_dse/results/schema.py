@@ -82,6 +82,8 @@ _fields = [
     pa.field("acceptance", pa.float64()),
     pa.field("request_mix", LABEL),
     pa.field("engine", LABEL),
+    pa.field("framework", LABEL),
+    # training: the framework profile the plan ran under (stage_dse.spec.framework)
     pa.field("clients", pa.float64()),
     pa.field("burst", pa.float64()),
     pa.field("output_lengths", LABEL),
@@ -108,7 +110,7 @@ _fields += [
     pa.field("trace_dir", pa.string()),
     pa.field("trace_replay_s", pa.float64()),
 ]
-HASH_SCHEME = "5"
+HASH_SCHEME = "6"
 """Version of the :func:`config_hash` definition, stored in every part file's metadata: change it
 whenever hashes of the same configuration change (a resume then refuses to mix the two)."""
 HASH_SCHEME_KEY = b"stage_dse.hash_scheme"
@@ -201,6 +203,19 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                     v = _hash_input(pd.Series(np.broadcast_to(v, engine.shape)), False)
                     extra = _mix(extra ^ (v + np.uint64(i + 7) * _GOLDEN))
                 h = np.where(changed, extra, h)
+        # training: the framework a plan runs under (absent or empty: the hashes rows had
+        # before frameworks were named)
+        if "framework" in source:
+            framework = source["framework"]
+            if isinstance(framework, str):
+                if framework:
+                    h = _mix(h ^ _stable64(f"framework={framework}"))
+            else:
+                names = pd.Series(framework).fillna("").astype(str).to_numpy()
+                named = names != ""
+                if np.any(named):
+                    extra = _mix(h ^ _hash_input(pd.Series(names), True))
+                    h = np.where(named, extra, h)
         # a spread of output lengths (absent or fixed: the hashes rows always had)
         if "output_lengths" in source:
             spread = pd.Series(source["output_lengths"]).fillna("").astype(str).to_numpy()

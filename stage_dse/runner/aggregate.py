@@ -35,8 +35,8 @@ headroom first instead of ranking them by noise."""
 SUMMARY_COLUMNS = (
     "config_hash", "run_id", "status", "reason", "model", "hardware", "num_gpus", "dp", "tp",
     "pp", "cp", "ep", "micro_batch", "zero_stage", "recompute", "sequence_parallel",
-    "virtual_stages", "stage_layers", "step_s", "mfu", "mem_total_bytes", "mem_headroom_bytes",
-    "measured_share",
+    "virtual_stages", "stage_layers", "framework", "step_s", "mfu", "mem_total_bytes",
+    "mem_headroom_bytes", "measured_share",
 )  # fmt: skip
 """The columns the summary reads: those of the top table, the closest misses and the counts."""
 RANK_KEYS = ("step_s", "gpu_seconds")

@@ -68,6 +68,8 @@ def finalize_rows(
         cc = cost_columns(costs)
         for c in cc.columns:
             out[c] = cc[c].to_numpy()
+    if "framework" in configs:
+        out["framework"] = configs["framework"].to_numpy()
     for field in RESULT_SCHEMA:
         if field.name not in out:
             out[field.name] = None
@@ -274,6 +276,8 @@ def rows_table(
             arrays.append(pa.nulls(n, pa.float64()))
         elif name == "timing":
             arrays.append(_dictionary(zeros, [str(plans.columns.get("timing", "roofline"))]))
+        elif name == "framework" and name not in plans.columns:
+            arrays.append(pa.nulls(n, field.type))
         elif name == "trace_dir":
             arrays.append(pa.nulls(n, pa.string()))
         elif name == "trace_replay_s":

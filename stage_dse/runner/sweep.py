@@ -101,6 +101,7 @@ def build_table(spec: SweepSpec) -> tuple[pd.DataFrame, int, Counter]:
 
 def family_keys(spec: SweepSpec) -> list:
     """The compiled families a sweep can need (structure of models x plan space)."""
+    from dataclasses import replace
     from itertools import product
 
     from stage_dse.cost.derive import cost_key
@@ -111,7 +112,8 @@ def family_keys(spec: SweepSpec) -> list:
     pp_many = isinstance(sp.pp, str) or any(p > 1 for p in sp.pp)
     keys = set()
     for model in spec.models:
-        for zero, rc, seq_par, att, v, order in product(
+        for fw, zero, rc, seq_par, att, v, order in product(
+            sp.frameworks,
             sp.zero_stage,
             sp.recompute,
             sp.sequence_parallel,
@@ -131,13 +133,10 @@ def family_keys(spec: SweepSpec) -> list:
                 schedule="interleaved" if v > 1 else "1f1b",
                 virtual_stages=v,
                 rank_order=order,
-                overlap_grad_reduce=sp.overlap_grad_reduce,
-                overlap_param_gather=sp.overlap_param_gather,
-                tp_comm_overlap=sp.tp_comm_overlap,
-                tp_dgrad_overlap=sp.tp_dgrad_overlap,
-                ep_comm_overlap=sp.ep_comm_overlap,
+                **fw.plan_flags(),
             )
-            keys.add(cost_key(model, plan, spec.training))
+            training = replace(spec.training, grads_dtype=fw.grads(spec.training.grads_dtype))
+            keys.add(cost_key(model, plan, training))
     return sorted(keys, key=repr)
 
 
@@ -431,6 +430,9 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
     )
     if best["stage_layers"].nunique() > 1:  # a sweep over layer splits: say which
         table.insert(13, "split", best["stage_layers"].astype(str))
+    frameworks = best.get("framework")
+    if frameworks is not None and frameworks.nunique() > 1:  # a sweep over frameworks
+        table.insert(2, "framework", frameworks.astype(str))
     if by == "gpu_seconds":  # the ranking key, shown
         table.insert(table.columns.get_loc("step_s") + 1, "gpu_s", best["gpu_seconds"].round(1))
     if any(ties):

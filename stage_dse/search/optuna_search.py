@@ -38,6 +38,7 @@ __all__ = ["OBJECTIVES", "PLAN_AXES", "Choice", "OptunaSpace"]
 
 GIB = 2.0**30
 PLAN_AXES = (
+    "framework",
     "tp",
     "pp",
     "cp",

@@ -29,6 +29,7 @@ from stage_dse.spec import (
     ModelSpec,
     TrainingSpec,
 )
+from stage_dse.spec.framework import PLAN_FLAGS
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
 
@@ -116,10 +117,9 @@ class PlanGrid:
     def columns(self, sel: np.ndarray, hardware: HardwareSpec, cluster: ClusterSpec) -> PlanColumns:
         """Plan columns of the grid cells at flat positions ``sel`` (valid ones: callers pick
         them from ``ok``), bound to ``hardware`` and ``cluster``."""
-        model, training, space, axes, tri = (
+        model, training, axes, tri = (
             self.model,
             self.training,
-            self.space,
             self.axes,
             self.triples,
         )
@@ -139,12 +139,7 @@ class PlanGrid:
             "cluster": cluster.name,
             **model_values(model, training),
             **bind_hardware(hardware, cluster),
-            "overlap_grad_reduce": space.overlap_grad_reduce,
-            "overlap_param_gather": space.overlap_param_gather,
-            "tp_comm_overlap": space.tp_comm_overlap,
-            "tp_dgrad_overlap": space.tp_dgrad_overlap,
-            "ep_comm_overlap": space.ep_comm_overlap,
-            "zero_sync_per_tensor": False,
+            **self.framework_columns(at["framework"]),
             "num_gpus": self.num_gpus,
             "dp": self.num_gpus // (t_tp * t_pp * t_cp),
             "tp": t_tp,
@@ -170,6 +165,24 @@ class PlanGrid:
         }
         return PlanColumns(len(at["triple"]), columns)
 
+    def framework_columns(self, at: np.ndarray) -> dict[str, object]:
+        """The framework of each selected cell (grid indices ``at``): its name, plan flags and
+        gradient precision, constants when the space holds one framework."""
+        frameworks = self.space.frameworks
+        table = {
+            **{flag: [fw.plan_flags()[flag] for fw in frameworks] for flag in PLAN_FLAGS},
+            "grad_bytes": [fw.grads(self.training.grads_dtype).bytes for fw in frameworks],
+        }
+        if len(frameworks) == 1:
+            return {"framework": frameworks[0].name, **{k: v[0] for k, v in table.items()}}
+        out: dict[str, object] = {
+            "framework": pd.Categorical.from_codes(at, categories=[f.name for f in frameworks])
+        }
+        for name, values in table.items():
+            column = np.asarray(values)[at]
+            out[name] = column if len(set(values)) > 1 else values[0]
+        return out
+
 
 def plan_grid(
     model: ModelSpec, training: TrainingSpec, space: SearchSpace, num_gpus: int
@@ -189,6 +202,7 @@ def plan_grid(
     if not model.is_moe:
         eps = [e for e in eps if e == 1] or eps
     axes: dict[str, list] = {
+        "framework": [fw.name for fw in space.frameworks],
         "expert_tensor_parallel": list(dict.fromkeys(space.expert_tensor_parallel)),
         "ep": eps,
         "zero_stage": sorted(set(space.zero_stage)),

@@ -21,7 +21,7 @@ from stage_dse.spec._validate import coerce_enum
 from stage_dse.spec.plan import AttentionKernel
 from stage_dse.spec.training import DType
 
-__all__ = ["PLAN_FLAGS", "FrameworkSpec"]
+__all__ = ["GRAD_DTYPES", "PLAN_FLAGS", "FrameworkSpec"]
 
 PLAN_FLAGS = (
     "overlap_grad_reduce",
@@ -66,7 +66,9 @@ class FrameworkSpec:
                     f"framework.{flag} must be true or false, got {getattr(self, flag)!r}"
                 )
         object.__setattr__(
-            self, "attention", coerce_enum(AttentionKernel, "framework", "attention", self.attention)
+            self,
+            "attention",
+            coerce_enum(AttentionKernel, "framework", "attention", self.attention),
         )
         if self.grads_dtype is not None:
             dtype = coerce_enum(DType, "framework", "grads_dtype", self.grads_dtype)

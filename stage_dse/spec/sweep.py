@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import MAX_GPUS, one_of, positive_int, positive_number
 from stage_dse.spec.engine import EngineSpec
+from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
@@ -70,13 +71,21 @@ class SearchSpace:
     """Layer splits over pipeline stages (:mod:`stage_dse.spec.stages`): ``balanced``,
     ``ceil`` or explicit lists of layers per virtual stage."""
     rank_order: Sequence[str] = ("tp-cp-ep-dp-pp",)
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    tp_comm_overlap: bool = False
-    tp_dgrad_overlap: bool = True
-    ep_comm_overlap: bool = False
+    frameworks: Sequence[FrameworkSpec] = (FrameworkSpec(),)
+    """The frameworks every plan is evaluated under (:mod:`stage_dse.spec.framework`): one
+    row per plan and framework; each sets its plan flags (overlaps, per-tensor ZeRO-3) and
+    gradient precision."""
 
     def __post_init__(self) -> None:
+        if not self.frameworks:
+            raise ConfigError("plan.framework must list at least one framework profile")
+        for fw in self.frameworks:
+            if not isinstance(fw, FrameworkSpec):
+                raise ConfigError(f"plan.framework: {fw!r} is not a framework profile")
+        names = [fw.name for fw in self.frameworks]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"plan.framework lists {names}: each profile at most once")
+        object.__setattr__(self, "frameworks", tuple(self.frameworks))
         for name in ("tp", "pp", "cp", "ep"):
             v = getattr(self, name)
             if isinstance(v, str):

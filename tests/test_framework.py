@@ -1,0 +1,166 @@
+"""Framework profiles: what they hold, how a sweep ranges over them, how rows name them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stage_dse.cli._common import compose
+from stage_dse.config import load_cluster, load_framework, load_hardware, load_model
+from stage_dse.config.schema import to_sweep
+from stage_dse.cost.table import evaluate_plans
+from stage_dse.errors import ConfigError
+from stage_dse.results.schema import config_hash
+from stage_dse.search import SearchSpace, enumerate_plans
+from stage_dse.spec import DType, TrainingSpec
+from stage_dse.spec.framework import PLAN_FLAGS, FrameworkSpec
+
+PROFILES = sorted(p.stem for p in Path(__file__).parents[1].glob("conf/framework/*.yaml"))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_profile_loads_and_cites_its_behaviour(name):
+    fw = load_framework(name)
+    assert fw.name == name
+    text = (Path(__file__).parents[1] / "conf" / "framework" / f"{name}.yaml").read_text()
+    assert text.lstrip().startswith("#"), f"{name}: a profile cites its behaviour"
+    assert set(fw.plan_flags()) == set(PLAN_FLAGS)
+
+
+def test_gradient_precision_is_the_documented_one():
+    # Megatron-LM (bf16 forces fp32 accumulation and all-reduce), torchtitan's FSDP2 policy,
+    # Composer's DEFAULT mixed precision and the Llama 3 paper all reduce in fp32
+    for name in ("megatron_core", "torchtitan_fsdp2", "composer_fsdp", "meta_llama3"):
+        assert load_framework(name).grads(DType.BF16) is DType.FP32
+    # a profile that does not fix it leaves the step's precision
+    assert load_framework("megatron_2021").grads(DType.FP16) is DType.FP16
+
+
+def test_bad_profiles_name_the_field():
+    with pytest.raises(ConfigError, match=r"framework\.tp_comm_overlap"):
+        FrameworkSpec(tp_comm_overlap="yes")
+    with pytest.raises(ConfigError, match=r"framework\.grads_dtype"):
+        FrameworkSpec(grads_dtype="fp8")
+    with pytest.raises(ConfigError, match=r"framework\.attention"):
+        FrameworkSpec(attention="magic")
+    with pytest.raises(ConfigError, match=r"plan\.framework"):
+        SearchSpace(frameworks=())
+    with pytest.raises(ConfigError, match="at most once"):
+        SearchSpace(frameworks=(FrameworkSpec(), FrameworkSpec()))
+
+
+def test_forcing_a_flag_renames_the_profile_only_when_it_changes_something():
+    fw = load_framework("megatron_core")
+    assert fw.with_flags(tp_comm_overlap=None, tp_dgrad_overlap=True) is fw
+    forced = fw.with_flags(tp_comm_overlap=True)
+    assert forced.tp_comm_overlap and forced.name == "megatron_core[tp_comm_overlap=true]"
+
+
+def _table(frameworks, num_gpus=16, training=None):
+    model = load_model("llama3_8b")
+    training = training or TrainingSpec(seq_len=4096, global_batch_size=64)
+    space = SearchSpace(
+        tp=(1, 2, 4),
+        pp=(1, 2),
+        zero_stage=(1, 3),
+        recompute=("none",),
+        micro_batch_size=(1,),
+        frameworks=frameworks,
+    )
+    hardware, cluster = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=num_gpus)
+    return enumerate_plans(model, training, hardware, cluster, space).table
+
+
+def test_a_sweep_over_frameworks_gives_each_plan_once_per_framework():
+    names = ("megatron_core", "torchtitan_fsdp2", "megatron_2021")
+    frameworks = tuple(load_framework(n) for n in names)
+    table = _table(frameworks)
+    alone = _table(frameworks[:1])
+    assert len(table) == len(names) * len(alone)
+    assert list(table["framework"].cat.categories) == list(names)
+    for fw in frameworks:
+        rows = table[table["framework"] == fw.name]
+        for flag, value in fw.plan_flags().items():
+            assert (rows[flag] == value).all(), (fw.name, flag)
+        assert (rows["grad_bytes"] == fw.grads(DType.BF16).bytes).all()
+    # every (plan, framework) is its own configuration
+    assert config_hash(table).nunique() == len(table)
+
+
+def test_the_framework_changes_the_answer_where_its_behaviour_matters():
+    core, titan = load_framework("megatron_core"), load_framework("torchtitan_fsdp2")
+    costs = evaluate_plans(_table((core, titan)))
+    # the framework is the outermost axis: each framework's rows list the same plans in order
+    a, b = (costs[costs["framework"] == fw.name] for fw in (core, titan))
+    plan_cols = ["tp", "pp", "dp", "zero_stage", "sequence_parallel", "micro_batch"]
+    assert np.array_equal(a[plan_cols].to_numpy(), b[plan_cols].to_numpy())
+    ta, tb, tp = a["step_s"].to_numpy(), b["step_s"].to_numpy(), a["tp"].to_numpy()
+    # torchtitan's backward tensor-parallel collectives wait for their GEMMs (no asynchronous
+    # reduction under the weight-gradient GEMM): never faster, slower wherever tp > 1
+    assert np.all(tb >= ta * (1 - 1e-12))
+    assert np.all(tb[tp > 1] > ta[tp > 1])
+
+
+def test_two_profiles_with_the_same_behaviours_give_the_same_costs_under_their_own_names():
+    core = load_framework("megatron_core")
+    twin = dataclasses.replace(core, name="my_megatron_fork")
+    table = _table((core, twin))
+    costs = evaluate_plans(table)
+    half = len(table) // 2
+    assert np.array_equal(costs["step_s"].to_numpy()[:half], costs["step_s"].to_numpy()[half:])
+    assert config_hash(table).nunique() == len(table)
+
+
+def test_a_stated_gradient_precision_holds_under_every_framework():
+    spec = to_sweep(compose(["plan.framework=[megatron_core,nemo]"]))
+    assert [f.grads(spec.training.grads_dtype) for f in spec.space.frameworks] == [
+        DType.FP32,
+        DType.BF16,  # NeMo's recipes leave it to the step (bf16 by default)
+    ]
+    spec = to_sweep(compose(["plan.framework=[megatron_core,nemo]", "training.grads_dtype=bf16"]))
+    assert {f.grads(spec.training.grads_dtype) for f in spec.space.frameworks} == {DType.BF16}
+
+
+def test_plan_flags_given_in_the_sweep_force_every_framework():
+    spec = to_sweep(compose(["plan.framework=[megatron_core,torchtitan_fsdp2]",
+                             "plan.tp_comm_overlap=true"]))  # fmt: skip
+    assert [f.name for f in spec.space.frameworks] == [
+        "megatron_core[tp_comm_overlap=true]",
+        "torchtitan_fsdp2[tp_comm_overlap=true]",
+    ]
+    assert all(f.tp_comm_overlap for f in spec.space.frameworks)
+
+
+def test_plan_presets_name_their_framework():
+    assert [f.name for f in to_sweep(compose([])).space.frameworks] == ["megatron_core"]
+    spec = to_sweep(compose(["plan=megatron_2021"]))
+    assert [f.name for f in spec.space.frameworks] == ["megatron_2021"]
+    assert not spec.space.frameworks[0].overlap_grad_reduce
+
+
+def test_corpus_records_take_the_gradient_precision_of_their_framework_unless_they_state_it():
+    from stage_dse.validation.corpus import load_corpus
+    from stage_dse.validation.training import training_setup
+
+    cases = {c.id: c for c in load_corpus("training")}
+    # llm-foundry states no precision for gradients: Composer's DEFAULT reduces in fp32
+    composer = training_setup(cases["llmfoundry_mpt_7b_h100_sxm_8gpu_seq2048_amp_bf16_full_shard"])
+    assert composer.training.grads_dtype is DType.FP32
+    # AutoModel's records state bf16 (its FSDP2Manager policy) under torchtitan's profile
+    automodel = training_setup(cases["automodel_llama3_70b_64gpu_pp1_cp2"])
+    assert automodel.training.grads_dtype is DType.BF16
+    # the plans carry the profile's flags
+    assert not composer.plans[0].tp_dgrad_overlap
+
+
+def test_a_profile_written_inline_in_the_sweep():
+    spec = to_sweep(compose(["plan.framework=[megatron_core,{name: my_fsdp, "
+                             "tp_dgrad_overlap: false, grads_dtype: bf16}]"]))  # fmt: skip
+    mine = spec.space.frameworks[1]
+    assert (mine.name, mine.tp_dgrad_overlap, mine.grads_dtype) == ("my_fsdp", False, DType.BF16)
+    assert mine.overlap_grad_reduce  # unset fields: Megatron-Core's behaviour
+    with pytest.raises(ConfigError, match=r"framework\.name"):
+        to_sweep(compose(["plan.framework=[{tp_dgrad_overlap: false}]"]))
