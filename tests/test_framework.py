@@ -164,3 +164,12 @@ def test_a_profile_written_inline_in_the_sweep():
     assert mine.overlap_grad_reduce  # unset fields: Megatron-Core's behaviour
     with pytest.raises(ConfigError, match=r"framework\.name"):
         to_sweep(compose(["plan.framework=[{tp_dgrad_overlap: false}]"]))
+
+
+def test_a_framework_hashes_alike_as_a_constant_and_as_a_column():
+    model, training = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+    space = SearchSpace(tp=(1, 2), pp=(1,), frameworks=(load_framework("megatron_core"),))
+    hardware, cluster = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=8)
+    columns = enumerate_plans(model, training, hardware, cluster, space).columns
+    assert columns.columns["framework"] == "megatron_core"  # a constant of the columns
+    assert list(config_hash(columns)) == list(config_hash(columns.frame()))

@@ -208,8 +208,8 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         if "framework" in source:
             framework = source["framework"]
             if isinstance(framework, str):
-                if framework:
-                    h = _mix(h ^ _stable64(f"framework={framework}"))
+                if framework:  # as a column of this one name would hash
+                    h = _mix(h ^ _stable64(framework))
             else:
                 names = pd.Series(framework).fillna("").astype(str).to_numpy()
                 named = names != ""

@@ -38,11 +38,13 @@ GRAD_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
 @dataclass(frozen=True, kw_only=True)
 class FrameworkSpec:
-    """A training framework's behaviours. The defaults are Megatron-Core's (distributed
-    optimizer with overlapped gradient reduce-scatter and parameter all-gather, asynchronous
-    backward tensor-parallel reductions, no userbuffer GEMM overlap)."""
+    """A training framework's behaviours. The defaults (``default``) overlap as Megatron-Core
+    does (distributed optimizer with overlapped gradient reduce-scatter and parameter
+    all-gather, asynchronous backward tensor-parallel reductions, no userbuffer GEMM overlap)
+    and leave the gradient precision to the training step; the ``megatron_core`` profile adds
+    Megatron-LM's fp32 gradients."""
 
-    name: str = "megatron_core"
+    name: str = "default"
     attention: AttentionKernel = AttentionKernel.FLASH
     """The attention kernel the framework runs (the corpus's default for its records; sweeps
     take the kernel from ``plan.attention``)."""
