@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from stage_dse.cli._common import OneLineParser, compose, one_line_errors
@@ -142,7 +141,7 @@ def _config_mode(
         if isinstance(values, str) or len(values) != 1:
             raise ConfigError(f"plan.{name}: give exactly one value for a trace, got {values!r}")
         one[name] = values[0]
-    training = replace(spec.training, grads_dtype=framework.grads(spec.training.grads_dtype))
+    training = framework.step(spec.training)
     n = spec.gpu_counts[0]
     mp = one["tp"] * one["pp"] * one["cp"]
     if n % mp:

@@ -101,7 +101,6 @@ def build_table(spec: SweepSpec) -> tuple[pd.DataFrame, int, Counter]:
 
 def family_keys(spec: SweepSpec) -> list:
     """The compiled families a sweep can need (structure of models x plan space)."""
-    from dataclasses import replace
     from itertools import product
 
     from stage_dse.cost.derive import cost_key
@@ -135,8 +134,7 @@ def family_keys(spec: SweepSpec) -> list:
                 rank_order=order,
                 **fw.plan_flags(),
             )
-            training = replace(spec.training, grads_dtype=fw.grads(spec.training.grads_dtype))
-            keys.add(cost_key(model, plan, training))
+            keys.add(cost_key(model, plan, fw.step(spec.training)))
     return sorted(keys, key=repr)
 
 

@@ -170,7 +170,7 @@ class PlanGrid:
         gradient precision, constants when the space holds one framework."""
         frameworks = self.space.frameworks
         table = {
-            **{flag: [fw.plan_flags()[flag] for fw in frameworks] for flag in PLAN_FLAGS},
+            **{flag: [getattr(fw, flag) for fw in frameworks] for flag in PLAN_FLAGS},
             "grad_bytes": [fw.grads(self.training.grads_dtype).bytes for fw in frameworks],
         }
         if len(frameworks) == 1:

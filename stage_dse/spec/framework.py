@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import coerce_enum
 from stage_dse.spec.plan import AttentionKernel
-from stage_dse.spec.training import DType
+from stage_dse.spec.training import DType, TrainingSpec
 
 __all__ = ["GRAD_DTYPES", "PLAN_FLAGS", "FrameworkSpec"]
 
@@ -100,3 +100,7 @@ class FrameworkSpec:
     def grads(self, training_grads: DType) -> DType:
         """The gradient dtype of a step under this framework."""
         return training_grads if self.grads_dtype is None else self.grads_dtype
+
+    def step(self, training: TrainingSpec) -> TrainingSpec:
+        """``training`` as this framework runs it (its gradient precision)."""
+        return dataclasses.replace(training, grads_dtype=self.grads(training.grads_dtype))

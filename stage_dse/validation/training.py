@@ -33,7 +33,7 @@ import pandas as pd
 from stage_dse.config import load_cluster, load_framework, load_hardware
 from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
-from stage_dse.spec import ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
@@ -116,7 +116,7 @@ def training_setup(case: Case) -> TrainingSetup:
         seq_len=f["seq_len"],
         global_batch_size=f["global_batch"],
         # the record's stated gradient precision, else the framework's, else 16-bit
-        grads_dtype=f.get("grads") or (framework.grads_dtype or "bf16"),
+        grads_dtype=f.get("grads") or framework.grads(DType.BF16),
         gemm_dtype="fp8" if precision == "fp8" else "bf16",
     )
     for key in ("recompute", "zero"):
