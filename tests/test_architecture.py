@@ -90,3 +90,15 @@ def test_the_command_line_serves_through_the_driver():
         if path.name in ("sweep.py", "serve.py"):
             bad |= {m for m in names if m.startswith(("stage_dse.cost", "stage_dse.kernels"))}
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
+def test_cache_helpers_and_measured_families_sit_below_their_users():
+    """The disk cache is a module of its own (``stage_dse/diskcache.py``), so the kernel
+    tables do not reach into the cost compiler for it; one plan's evaluation
+    (``cost/bind.py``) and the table evaluator (``cost/table.py``) share the measured family
+    from ``cost/measured.py`` instead of importing each other."""
+    assert not any(
+        m.startswith("stage_dse.cost") for m in _imports(PACKAGE / "kernels" / "tables.py")
+    )
+    assert "stage_dse.cost.table" not in _imports(PACKAGE / "cost" / "bind.py")
+    assert not {m for m in _imports(PACKAGE / "diskcache.py") if m.startswith("stage_dse")}

@@ -174,11 +174,12 @@ def evaluate_plan(
         values.update(dict.fromkeys(HARDWARE_SYMBOLS, math.nan))
     x = np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
     if timing == "measured" and hardware is not None:
-        from stage_dse.cost.table import _Measured
+        from stage_dse.cost.measured import MeasuredFamily
         from stage_dse.kernels.tables import load_tables, table_set
 
         gpu = table_set(hardware)
-        family = _Measured(cost_key(model, plan, training), 1, load_tables(gpu) if gpu else None)
+        tables = load_tables(gpu) if gpu else None
+        family = MeasuredFamily(cost_key(model, plan, training), 1, tables)
     elif timing not in ("roofline", "measured"):
         raise ConfigError(f"timing={timing!r} is not one of: roofline, measured")
     else:

@@ -24,7 +24,6 @@ import hashlib
 import os
 import pickle
 import platform
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +34,7 @@ import sympy as sp
 
 from stage_dse.cost.derive import CostKey, derive
 from stage_dse.cost.time import Kernel, derive_measured_time, derive_time
+from stage_dse.diskcache import cache_dir, store_pickle
 from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import _build
 
@@ -101,11 +101,6 @@ def _backend() -> str:
     if want == "numpy" or _se is None:
         return "numpy"
     return "symengine"
-
-
-def cache_dir() -> Path:
-    """Where compiled families are cached: ``$STAGE_DSE_CACHE`` or ``~/.cache/stage_dse``."""
-    return Path(os.environ.get("STAGE_DSE_CACHE") or Path.home() / ".cache" / "stage_dse")
 
 
 def model_digest() -> str:
@@ -230,22 +225,6 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
     extra = list(_kernel_symbols(key)) if subset == "measured" else []
     fn = _compile_numpy(defs, [outputs[n] for n in names], extra)
     return CompiledFamily(key, names, fn, backend)
-
-
-def store_pickle(path: Path, obj: object) -> None:
-    """Pickle ``obj`` to ``path`` atomically (temporary file, rename); a cache that cannot be
-    written (read-only folder, unpicklable code) is skipped, never an error."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as fh:
-            pickle.dump(obj, fh)
-        os.replace(tmp, path)
-    except (OSError, TypeError, pickle.PicklingError):
-        # a read-only home, or code symengine cannot pickle: evaluates, just uncached
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _wrap(f, n_out: int):

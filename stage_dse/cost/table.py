@@ -22,6 +22,7 @@ from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
 from stage_dse.cost.columns import cost_columns
 from stage_dse.cost.compile import SYMBOL_NAMES, family_for
 from stage_dse.cost.derive import CostKey
+from stage_dse.cost.measured import MeasuredFamily
 from stage_dse.graph.transformer import GraphKey
 from stage_dse.spec import (
     AttentionKernel,
@@ -293,7 +294,8 @@ def evaluate_columns(
 
         tables = load_tables(measured_gpu) if measured_gpu else None
         runs = [
-            (_Measured(key_from_values(v), b - a, tables), a, b) for v, a, b in plans.family_runs()
+            (MeasuredFamily(key_from_values(v), b - a, tables), a, b)
+            for v, a, b in plans.family_runs()
         ]
     else:
         runs = [
@@ -367,40 +369,9 @@ def evaluate_table(
             # a name the caller maps to None has no tables; an unmapped one its preset's
             gpu = table_set(str(hw), (chosen[hw] or "none") if hw in chosen else "")
             tables = load_tables(gpu) if gpu else None
-            parts.append(_evaluate(rows, lambda key, n, t=tables: _Measured(key, n, t)))
+            parts.append(_evaluate(rows, lambda key, n, t=tables: MeasuredFamily(key, n, t)))
         return pd.concat(parts).reindex(table.index)
     return _evaluate(table, lambda key, n: family_for(key, subset, n))
-
-
-class _Measured:
-    """A family evaluated with measured kernel times (see :func:`evaluate_table`)."""
-
-    STEP = "time_step_s"
-    EPS = 1e-6
-
-    def __init__(self, key: CostKey, rows: int, tables) -> None:
-        from stage_dse.cost.compile import family_kernels
-
-        self.kernels = family_kernels(key)
-        self.shapes = family_for(key, "kernels", rows)
-        self.family = family_for(key, "measured", rows)
-        self.tables = tables
-        self.names = (*self.family.names, "measured_share")
-        self.step = self.family.names.index(self.STEP)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        from stage_dse.kernels.timing import kernel_seconds
-
-        seconds, measured = kernel_seconds(self.kernels, self.shapes(x), self.tables)
-        y = self.family(np.hstack([x, seconds]))
-        share = np.zeros(len(x))
-        if measured.any():
-            # the step time's derivative along the measured kernels' times: how much of the
-            # step they make up (sums and maxima are linear almost everywhere)
-            bumped = self.family(np.hstack([x, seconds * (1 + self.EPS * measured)]))
-            step = y[:, self.step]
-            share = np.clip((bumped[:, self.step] - step) / (self.EPS * step), 0.0, 1.0)
-        return np.hstack([y, share[:, None]])
 
 
 def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:

@@ -51,7 +51,7 @@ import pickle
 from functools import lru_cache
 from pathlib import Path
 
-from stage_dse.cost.compile import store_pickle
+from stage_dse.diskcache import cache_dir, store_pickle
 from stage_dse.errors import ConfigError
 from stage_dse.kernels.interp import GridTable
 
@@ -183,7 +183,6 @@ def _cache_file(gpu: str, version: str) -> Path | None:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
-    from stage_dse.cost.compile import cache_dir
 
     try:
         package = installed("aiconfigurator-core")
