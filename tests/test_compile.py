@@ -69,6 +69,7 @@ def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeyp
     monkeypatch.setattr(C, "LLVM_MIN_ROWS", 1000)
     monkeypatch.setattr(C, "_rows_seen", {})
     monkeypatch.setattr(C, "_compiled", set())
+    monkeypatch.setattr(C, "_interpreted", set())
     key, _ = families[-1]
     assert C.family_for(key, "all", 400).backend == "interpreted"
     assert C.family_for(key, "all", 400).backend == "interpreted"
@@ -78,4 +79,35 @@ def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeyp
     # a later process finds the compiled code in the disk cache and uses it for one row
     monkeypatch.setattr(C, "_rows_seen", {})
     monkeypatch.setattr(C, "_compiled", set())
+    monkeypatch.setattr(C, "_interpreted", set())
     assert C.family_for(key, "all", 1).backend == "symengine"
+
+
+def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(
+    families, tmp_path, monkeypatch
+):
+    """The first process interprets a small family and stores its derived program; a later
+    one loads the program instead of deriving it (equal results) and compiles it, since
+    the family recurs; the one after loads the compiled code."""
+    monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
+    key, x = families[0]
+    for name in ("_rows_seen", "_compiled", "_interpreted"):
+        monkeypatch.setattr(C, name, type(getattr(C, name))())
+    C._symengine_program.cache_clear()
+    C._interpreted_family.cache_clear()
+    first = C.family_for(key, "all", 10)
+    assert first.backend == "interpreted"
+    assert len(list(tmp_path.glob("program-*.pkl"))) == 1
+    assert not list(tmp_path.glob("family-*.pkl"))
+    assert C.family_for(key, "all", 10) is first  # same process: still interpreted
+    derived = first(x)
+
+    for name in ("_rows_seen", "_compiled", "_interpreted"):  # a later process
+        monkeypatch.setattr(C, name, type(getattr(C, name))())
+    C._symengine_program.cache_clear()
+    C.compile_family.cache_clear()
+    monkeypatch.setattr(C, "_family_outputs", lambda *a: pytest.fail("derived again"))
+    later = C.family_for(key, "all", 1)
+    assert later.backend == "symengine"
+    assert len(list(tmp_path.glob("family-*.pkl"))) == 1
+    np.testing.assert_allclose(later(x), derived, rtol=1e-14, equal_nan=True)

@@ -9,13 +9,15 @@ Backends: symengine's LLVM ``Lambdify`` (the intermediate definitions are substi
 outputs inside symengine, then common subexpressions are shared by the code generator), or,
 without symengine, ``sympy.lambdify`` to numpy with the definitions evaluated in order.
 
-Compile strategy by size (:func:`family_for`): LLVM code generation costs about 0.1-0.4 CPU-s
-per family, and pays back only over hundreds to thousands of rows. A family met by fewer rows than
-``LLVM_MIN_ROWS`` (over this process's life) is evaluated by symengine's interpreter of the
-same common-subexpression program instead (built in milliseconds, ~40 us per row; results equal
-to the compiled code's or within one ulp, measured at most 2.4e-16 relative); once its rows
-reach the threshold, or when its LLVM code is already in memory or in the disk cache, the
-compiled code is used.
+Compile strategy (:func:`family_for`): deriving a family's program (graph, costs, time,
+common subexpressions) costs 0.2-0.5 CPU-s, LLVM code generation from it about 0.1, and the
+interpreter of the same program ~0.01 to build but 50-150 us per row where compiled code
+takes ~0.4 us (a one-row call ~10 us). The derived program goes to the disk cache at once. A
+family is compiled when its rows in this process reach ``LLVM_MIN_ROWS``, or when an earlier
+process met it (its program or its code is in the disk cache: families that recur across
+runs are worth compiling, and the code is cached in turn, so from then on a process loads it
+in about a millisecond); otherwise its first process interprets it. Interpreted and compiled
+results agree to within a few ulp (measured at most 2.4e-16 relative).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sympy as sp
 
 from stage_dse.cost.derive import CostKey, derive
 from stage_dse.cost.time import Kernel, derive_measured_time, derive_time
-from stage_dse.diskcache import cache_dir, store_pickle
+from stage_dse.diskcache import cache_dir, load_pickle, store_pickle
 from stage_dse.graph.symbols import Symbols
 from stage_dse.graph.transformer import _build
 
@@ -96,9 +98,13 @@ class CompiledFamily:
         return self.fn(x)
 
 
+_BACKEND_WANTED = os.environ.get("STAGE_DSE_BACKEND", "auto")
+"""``STAGE_DSE_BACKEND=numpy`` (read at import) evaluates with ``sympy.lambdify`` to numpy
+even where symengine is installed."""
+
+
 def _backend() -> str:
-    want = os.environ.get("STAGE_DSE_BACKEND", "auto")
-    if want == "numpy" or _se is None:
+    if _BACKEND_WANTED == "numpy" or _se is None:
         return "numpy"
     return "symengine"
 
@@ -145,6 +151,7 @@ GPU counts or hardware), while interpreting a family's first 500 rows costs ~20 
 its compilation. ``STAGE_DSE_LLVM_MIN_ROWS=0`` always compiles (``benchmarks/bench_cold.py``)."""
 _rows_seen: dict[tuple[CostKey, str], int] = {}
 _compiled: set[tuple[CostKey, str]] = set()
+_interpreted: set[tuple[CostKey, str]] = set()
 
 
 def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFamily:
@@ -156,8 +163,12 @@ def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFami
         return compile_family(key, backend, subset)
     tag = (key, subset)
     seen = _rows_seen[tag] = _rows_seen.get(tag, 0) + rows
-    if tag in _compiled or seen >= LLVM_MIN_ROWS or _cache_path(key, backend, subset).is_file():
+    if tag in _compiled or seen >= LLVM_MIN_ROWS:
         return compile_family(key, None, subset)
+    if tag not in _interpreted:  # first met in this process: met by an earlier one?
+        if _cache_path(key, backend, subset).is_file() or _program_path(key, subset).is_file():
+            return compile_family(key, None, subset)
+        _interpreted.add(tag)
     return _interpreted_family(key, subset)
 
 
@@ -165,19 +176,52 @@ def _cache_path(key: CostKey, backend: str, subset: str) -> Path:
     return cache_dir() / f"family-{family_digest(key, f'{backend}-{subset}')}.pkl"
 
 
+def _program_path(key: CostKey, subset: str) -> Path:
+    return cache_dir() / f"program-{family_digest(key, f'program-{subset}')}.pkl"
+
+
 @lru_cache(maxsize=512)
 def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
-    names, outs = _symengine_program(key, subset)
-    fn = _se.Lambdify(_se_args(key, subset), outs, backend="lambda", cse=True, real=True)
+    names, outs, args = _symengine_program(key, subset)
+    fn = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
     return CompiledFamily(key, names, _wrap(fn, len(names)), "interpreted")
 
 
 @lru_cache(maxsize=64)
-def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list]:
-    """Named outputs of one family as symengine expressions, definitions substituted."""
-    defs, outputs = _family_outputs(key, subset)
-    names = tuple(outputs)
-    return names, _to_symengine(defs, [outputs[n] for n in names])
+def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list, list]:
+    """Named outputs of one family as symengine expressions, definitions substituted, and the
+    input symbols in order. Deriving them (graph, costs, time, conversion) is most of what a
+    family costs before its first row (0.2-0.5 CPU-s), so they are kept in the disk cache
+    beside the compiled code: a later process, or a Ray worker, that meets the family loads
+    them in about a millisecond, whether it then interprets or compiles them."""
+    path = _program_path(key, subset)
+    cached = load_pickle(path)
+    if cached is None:
+        defs, outputs = _family_outputs(key, subset)
+        names = tuple(outputs)
+        steps, finals = _se.cse(_to_symengine(defs, [outputs[n] for n in names]))
+        cached = (names, steps, finals, [str(a) for a in _se_args(key, subset)])
+        store_pickle(path, cached)
+    names, steps, finals, arg_names = cached
+    return names, _unshare(steps, finals), [_se.Symbol(n) for n in arg_names]
+
+
+def _unshare(steps: list, finals: list) -> list:
+    """Outputs from their common-subexpression form (``symengine.cse``: definitions in order,
+    then the outputs over them), each definition substituted once so the outputs share its
+    node. The form is what the cache stores: pickled expressions lose their shared nodes
+    (a family's outputs become a tree some 50x larger, whose interpreter takes 0.6 CPU-s to
+    build instead of 0.01); rebuilt this way they load in ~10 ms. A fresh derivation goes
+    through the same form, so a family evaluates alike in every process."""
+    done: dict = {}
+
+    def resolve(e):
+        need = {s: done[s] for s in e.free_symbols if s in done}
+        return e.xreplace(need) if need else e
+
+    for sym, e in steps:
+        done[sym] = resolve(e)
+    return [resolve(e) for e in finals]
 
 
 def _family_outputs(key: CostKey, subset: str):
@@ -216,8 +260,8 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
         except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
             path.unlink(missing_ok=True)
     if backend == "symengine":
-        names, outs = _symengine_program(key, subset)
-        fn = _lambdify_symengine(outs, _se_args(key, subset))
+        names, outs, args = _symengine_program(key, subset)
+        fn = _lambdify_symengine(outs, args)
         store_pickle(path, (names, fn))
         return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
     defs, outputs = _family_outputs(key, subset)
