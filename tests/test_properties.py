@@ -158,3 +158,45 @@ def test_symbolic_sizes_bind_to_direct_numbers():
     head_input_grad = 2 * 2048 * 1024 * 2
     ce_stats = 3 * 2 * 2048 * 4
     assert got["comm_all_reduce_tp"] == m * (4 * per_layer + embedding + head_input_grad + ce_stats)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    plan=plans(),
+    family=st.sampled_from(sorted(MODELS)),
+    flags=st.fixed_dictionaries(
+        {
+            name: st.booleans()
+            for name in (
+                "overlap_grad_reduce",
+                "overlap_param_gather",
+                "tp_comm_overlap",
+                "tp_dgrad_overlap",
+                "zero_sync_per_tensor",
+            )
+        }
+    ),
+    rank_order=st.sampled_from(["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]),
+)
+def test_one_plans_row_and_family_are_those_of_its_specs(plan, family, flags, rank_order):
+    """``evaluate_plan`` binds a workload once and memoizes family keys by the plan fields the
+    key reads; for every plan the row equals :func:`bind`'s values and the key equals
+    :func:`cost_key` of the plan itself."""
+    from dataclasses import replace
+
+    from stage_dse.config import load_cluster, load_hardware
+    from stage_dse.cost.bind import _context, bind, bind_hardware
+    from stage_dse.cost.compile import SYMBOL_NAMES
+    from stage_dse.cost.derive import cost_key
+
+    plan = replace(plan, **flags, rank_order=rank_order)
+    model = MODELS[family]
+    try:
+        validate_plan(model, TRAIN, plan)
+    except ConfigError:
+        return
+    hw, cl = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=4096)
+    ctx = _context(model, TRAIN, hw, cl)
+    assert ctx.key(plan) == cost_key(model, plan, TRAIN)
+    values = {**bind(model, TRAIN, plan), **bind_hardware(hw, cl)}
+    assert ctx.row(plan)[0].tolist() == [float(values[n]) for n in SYMBOL_NAMES]

@@ -13,6 +13,7 @@ kept as scalars (what enumeration produces and sweep workers evaluate with
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
@@ -91,6 +92,14 @@ CHUNK_ROWS = 1 << 17
 
 
 def key_from_values(v: dict) -> CostKey:
+    """The family key of a row's structural columns (:data:`KEY_COLUMNS`, by name)."""
+    optional = {"zero_sync_per_tensor": False}  # tables written before it was a column
+    return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
+
+
+@lru_cache(maxsize=4096)
+def _key_of(values: tuple) -> CostKey:
+    v = dict(zip(KEY_COLUMNS, values, strict=True))
     graph = GraphKey(
         norm=NormKind(v["norm"]),
         mlp=MlpKind(v["mlp"]),
@@ -259,18 +268,25 @@ class PlanColumns:
     def family_runs(self) -> list[tuple[dict, int, int]]:
         """Maximal runs of rows sharing the structural columns: (their values, start, stop)."""
         cuts: set[int] = set()
+        constant: dict[str, object] = {}
+        varying = []  # (column, codes, categories or None)
         for col in KEY_COLUMNS:
-            if not self.is_constant(col):
-                v = self.columns[col]
-                v = v.codes if isinstance(v, pd.Categorical) else v
-                cuts.update((np.flatnonzero(v[1:] != v[:-1]) + 1).tolist())
+            v = self.columns[col]
+            if self.is_constant(col):
+                constant[col] = v
+                continue
+            if isinstance(v, pd.Categorical):
+                varying.append((col, v.codes, list(v.categories)))
+                v = v.codes
+            else:
+                varying.append((col, v, None))
+            cuts.update((np.flatnonzero(v[1:] != v[:-1]) + 1).tolist())
         bounds = [0, *sorted(cuts), self.rows]
         runs = []
         for a, b in pairwise(bounds):
-            values = {
-                col: self.columns[col] if self.is_constant(col) else self.columns[col][a]
-                for col in KEY_COLUMNS
-            }
+            values = dict(constant)
+            for col, codes, categories in varying:
+                values[col] = codes[a] if categories is None else categories[codes[a]]
             runs.append((values, a, b))
         return runs
 
@@ -307,14 +323,9 @@ def evaluate_columns(
 def _evaluate_runs(x: np.ndarray, runs: list) -> tuple[list[str], np.ndarray]:
     """Evaluate rows ``[a, b)`` of ``x`` with their family; the union of the output columns
     (a communication column a family does not have is 0 bytes)."""
-    names: dict[str, int] = {}
-    for family, _, _ in runs:
-        for n in family.names:
-            names.setdefault(n, len(names))
+    names, where = _union_layout(tuple(family.names for family, _, _ in runs))
     out = np.zeros((len(x), len(names)))
-    for family, a, b in runs:
-        cols = np.fromiter((names[n] for n in family.names), dtype=np.intp)
-        contiguous = bool(np.all(np.diff(cols) == 1))
+    for (family, a, b), (cols, contiguous) in zip(runs, where, strict=True):
         for lo in range(a, b, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, b)
             y = family(x[lo:hi])
@@ -323,6 +334,21 @@ def _evaluate_runs(x: np.ndarray, runs: list) -> tuple[list[str], np.ndarray]:
             else:
                 out[lo:hi, cols] = y
     return list(names), out
+
+
+@lru_cache(maxsize=256)
+def _union_layout(families: tuple[tuple[str, ...], ...]):
+    """The union of the families' output names (first seen first), and for each family the
+    positions of its outputs in it (and whether they are one contiguous block)."""
+    names: dict[str, int] = {}
+    for family in families:
+        for n in family:
+            names.setdefault(n, len(names))
+    where = []
+    for family in families:
+        cols = np.fromiter((names[n] for n in family), dtype=np.intp, count=len(family))
+        where.append((cols, bool(np.all(np.diff(cols) == 1))))
+    return list(names), where
 
 
 def evaluate_plans(table: pd.DataFrame) -> pd.DataFrame:
