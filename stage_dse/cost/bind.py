@@ -174,6 +174,7 @@ class _PlanContext:
         self.column = {n: j for j, n in enumerate(SYMBOL_NAMES)}
         self.structure = attrgetter(*_fields_read(cost_key, model, training))
         self.keys: dict[tuple, object] = {}
+        self.families: dict[tuple, object] = {}  # compiled ones only: they stay
 
     def row(self, plan: ParallelPlan) -> np.ndarray:
         x = self.base.copy()
@@ -192,6 +193,20 @@ class _PlanContext:
                 self.keys.clear()
             key = self.keys[structure] = cost_key(self.specs[0], plan, self.specs[1])
         return key
+
+
+    def family(self, plan: ParallelPlan):
+        """The plan's roofline family (:func:`family_for`); a compiled one is kept here, an
+        interpreted one asked for again each time (its rows count towards compiling it)."""
+        structure = self.structure(plan)
+        family = self.families.get(structure)
+        if family is None:
+            family = family_for(self.key(plan))
+            if family.backend != "interpreted":
+                if len(self.families) >= self.KEYS_LIMIT:
+                    self.families.clear()
+                self.families[structure] = family
+        return family
 
 
 def _fields_read(make_key, model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
@@ -262,5 +277,5 @@ def evaluate_plan(
     elif timing not in ("roofline", "measured"):
         raise ConfigError(f"timing={timing!r} is not one of: roofline, measured")
     else:
-        family = family_for(ctx.key(plan))
+        family = ctx.family(plan)
     return named_outputs(family.names, family(x)[0])
