@@ -4,6 +4,7 @@ branch-free selection of the largest of several expressions. Pure sympy, no numb
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 
 import sympy as sp
 
@@ -15,11 +16,16 @@ def _sum(items: Iterable[sp.Expr]) -> sp.Expr:
     return sp.Add(*items) if items else sp.Integer(0)
 
 
+@lru_cache(maxsize=1 << 16)
 def _max(*args: sp.Expr) -> sp.Expr:
-    # unevaluated: sympy would otherwise try to order large expressions symbolically
+    # unevaluated: sympy would otherwise try to order large expressions symbolically. Even
+    # so, building one sorts its arguments canonically (sympy's ``ordered``: node counts of
+    # whole expressions), ~0.3 ms each; families share most of their maxima and minima (the
+    # same kernels' rooflines, collectives, stage times), so each is built once per process
     return sp.Max(*args, evaluate=False)
 
 
+@lru_cache(maxsize=1 << 16)
 def _min(*args: sp.Expr) -> sp.Expr:
     return sp.Min(*args, evaluate=False)
 
