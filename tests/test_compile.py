@@ -83,9 +83,7 @@ def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeyp
     assert C.family_for(key, "all", 1).backend == "symengine"
 
 
-def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(
-    families, tmp_path, monkeypatch
-):
+def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(families, tmp_path, monkeypatch):
     """The first process interprets a small family and stores its derived program; a later
     one loads the program instead of deriving it (equal results) and compiles it, since
     the family recurs; the one after loads the compiled code."""

@@ -183,7 +183,6 @@ def _cache_file(gpu: str, version: str) -> Path | None:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
-
     try:
         package = installed("aiconfigurator-core")
     except PackageNotFoundError:
