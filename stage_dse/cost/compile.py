@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -144,7 +143,7 @@ MEMORY_PREFIXES = ("mem_", "params_")
 LLVM_MIN_ROWS = int(os.environ.get("STAGE_DSE_LLVM_MIN_ROWS", "500"))
 """Rows of one family (over a process's life) from which it is compiled rather than
 interpreted. Measured on GPT-3 175B families: LLVM costs ~0.13 CPU-s to build and ~0.4 us per
-row, the interpreter ~0.01 CPU-s and ~40 us per row, so compiling repays itself within one run
+row, the interpreter ~0.01 CPU-s and 50-150 us per row, so compiling repays itself within one run
 from ~3,300 rows. The threshold is lower because compiled code outlives the run: it is cached
 on disk and serves every later run that meets the family (a family does not depend on sizes,
 GPU counts or hardware), while interpreting a family's first 500 rows costs ~20 ms, a sixth of
@@ -253,12 +252,10 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
     path = _cache_path(key, backend, subset)
     if backend == "symengine":
         _compiled.add((key, subset))
-    if backend == "symengine" and path.is_file():
-        try:
-            names, fn = pickle.loads(path.read_bytes())
-            return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
-        except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
-            path.unlink(missing_ok=True)
+    cached = load_pickle(path) if backend == "symengine" else None
+    if cached is not None:
+        names, fn = cached
+        return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
     if backend == "symengine":
         names, outs, args = _symengine_program(key, subset)
         fn = _lambdify_symengine(outs, args)
@@ -410,12 +407,7 @@ def compile_expressions(
             text = "|".join([cache_tag, _source_digest(), getattr(_se, "__version__", "")])
             digest = hashlib.sha256(text.encode()).hexdigest()[:32]
             se_path = cache_dir() / f"exprs-{digest}.pkl"
-        outs = None
-        if se_path is not None and se_path.is_file():
-            try:
-                outs = pickle.loads(se_path.read_bytes())
-            except Exception:  # a stale or truncated entry is rebuilt, never trusted
-                se_path.unlink(missing_ok=True)
+        outs = load_pickle(se_path) if se_path is not None else None
         if outs is None:
             outs = _to_symengine([], list(exprs() if callable(exprs) else exprs))
             if se_path is not None:

@@ -47,11 +47,10 @@ worker).
 from __future__ import annotations
 
 import importlib.util
-import pickle
 from functools import lru_cache
 from pathlib import Path
 
-from stage_dse.diskcache import cache_dir, store_pickle
+from stage_dse.diskcache import cache_dir, load_pickle, store_pickle
 from stage_dse.errors import ConfigError
 from stage_dse.kernels.interp import GridTable
 
@@ -166,11 +165,9 @@ def load_tables(gpu: str) -> MeasuredTables:
         raise ConfigError(f"hardware.measured_gpu={gpu!r} has no tables; tables exist for: {have}")
     version = _newest(root / gpu / "gemm" / BACKEND, "gemm_perf.parquet")
     cache = _cache_file(gpu, version)
-    if cache is not None and cache.is_file():
-        try:
-            return pickle.loads(cache.read_bytes())
-        except Exception:  # a truncated or foreign cache file is rebuilt, never trusted
-            cache.unlink(missing_ok=True)
+    cached = load_pickle(cache) if cache is not None else None
+    if cached is not None:  # a truncated or foreign cache file is rebuilt, never trusted
+        return cached
     tables = _read(root, gpu, version)
     if cache is not None:
         store_pickle(cache, tables)  # a read-only cache folder: read from the package each time
