@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.config.presets import read_preset
 from stage_dse.cost.table import evaluate_plans, plans_table
+from stage_dse.errors import ConfigError
 from stage_dse.kernels.tables import data_root, table_set
 from stage_dse.results import ResultStore, load
 from stage_dse.runner.serving import ServingSweepSpec, run_serving
 from stage_dse.spec import ParallelPlan, TrainingSpec
+from stage_dse.spec.hardware import even_domain_share
 
 PAIRS = {  # hardware preset -> its cluster preset
     "gb200": "gb200_nvl72",
@@ -124,3 +128,23 @@ def test_measured_table_sets_exist_for_the_presets_that_name_one(name, tables):
     assert table_set(load_hardware(name)) == tables
     assert (data_root() / tables).is_dir()
     assert table_set(load_hardware("gh200")) is None  # no GH200 tables
+
+
+@given(st.integers(1, 4096), st.integers(1, 128))
+def test_an_even_domain_share_fills_the_fewest_domains_equally(num_gpus, domain_gpus):
+    share = even_domain_share(num_gpus, domain_gpus)
+    if num_gpus <= domain_gpus or num_gpus % domain_gpus == 0:
+        assert share == 0  # one domain, or whole domains: nothing to spread
+    elif share:
+        assert share <= domain_gpus and num_gpus % share == 0
+        assert num_gpus // share == -(-num_gpus // domain_gpus)
+
+
+def test_a_job_that_is_no_whole_number_of_nvl72_racks_is_told_its_even_split():
+    assert even_domain_share(256, 72) == 64  # 4 racks of 64 GPUs
+    assert even_domain_share(100, 72) == 50
+    assert even_domain_share(146, 72) == 0  # 3 domains cannot hold 146 equally
+    with pytest.raises(ConfigError, match=r"gpus_per_node\(72\) does not divide.*(256).*"
+                       r"evenly over 4 domains set cluster.gpus_per_node=64"):  # fmt: skip
+        load_cluster("gb200_nvl72", num_gpus=256)
+    assert load_cluster("gb200_nvl72", num_gpus=256, gpus_per_node=64).gpus_per_node == 64

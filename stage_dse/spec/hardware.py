@@ -156,6 +156,21 @@ class HardwareSpec:
         return dataclasses.replace(self, **changes)
 
 
+def even_domain_share(num_gpus: int, domain_gpus: int) -> int:
+    """GPUs a job of ``num_gpus`` holds in each scale-up domain when it fills the fewest
+    domains evenly (0 when no even split exists, or when whole domains already hold it).
+
+    A job larger than one domain but not a whole number of them runs on equal parts of the
+    fewest domains that hold it: 256 GPUs on 72-GPU NVL72 racks as 4 x 64. Slurm's
+    topology/block plugin places jobs so on NVL72 systems (a job's nodes allocated in
+    equal-sized ``--segment`` groups, each inside one rack's NVLink block; Slurm
+    topology.conf(5), CoreWeave SUNK "Topology/Block Scheduling" for GB200/GB300 NVL72)."""
+    if num_gpus <= domain_gpus or num_gpus % domain_gpus == 0:
+        return 0
+    domains = -(-num_gpus // domain_gpus)
+    return num_gpus // domains if num_gpus % domains == 0 else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """GPUs grouped in scale-up domains (NVLink/NVSwitch nodes) joined by a scale-out network."""
@@ -215,9 +230,16 @@ class ClusterSpec:
         if self.oversubscription < 1:
             raise ConfigError(f"cluster.oversubscription must be >= 1, got {self.oversubscription}")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            even = even_domain_share(self.num_gpus, self.gpus_per_node)
+            hint = (
+                f"; to spread them evenly over {self.num_gpus // even} domains set "
+                f"cluster.gpus_per_node={even}"
+                if even
+                else ""
+            )
             raise ConfigError(
                 f"cluster.gpus_per_node({self.gpus_per_node}) does not divide "
-                f"cluster.num_gpus({self.num_gpus})"
+                f"cluster.num_gpus({self.num_gpus}){hint}"
             )
 
     def replace(self, **changes: object) -> ClusterSpec:

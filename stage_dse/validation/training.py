@@ -35,6 +35,7 @@ from stage_dse.cost.table import evaluate_table, plan_row
 from stage_dse.errors import ConfigError
 from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
+from stage_dse.spec.hardware import even_domain_share
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -100,6 +101,9 @@ def training_setup(case: Case) -> TrainingSetup:
         if "gpus_per_node" in f:
             overrides["gpus_per_node"] = f["gpus_per_node"]
         domain = overrides.get("gpus_per_node", load_cluster(cl_name, num_gpus=1).gpus_per_node)
+        if "gpus_per_node" not in f and even_domain_share(f["gpus"], domain):
+            # placement unstated: equal parts of the fewest domains that hold the job
+            overrides["gpus_per_node"] = domain = even_domain_share(f["gpus"], domain)
         if f["gpus"] > domain and f["gpus"] % domain:
             raise Unexpressible(
                 f"gpus({f['gpus']}) is not a whole number of {cl_name}'s {domain}-GPU domains"
