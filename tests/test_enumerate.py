@@ -27,7 +27,7 @@ from stage_dse.spec import ParallelPlan, TrainingSpec, validate_plan
 TRAINING = TrainingSpec(seq_len=4096, global_batch_size=64)
 PLAN_COLUMNS = (
     "tp", "pp", "cp", "ep", "dp", "micro_batch", "virtual_stages", "zero_stage", "recompute",
-    "sequence_parallel", "attention", "expert_tensor_parallel", "rank_order",
+    "sequence_parallel", "attention", "expert_tensor_parallel", "ep_over_tp", "rank_order",
 )  # fmt: skip
 
 
@@ -38,8 +38,9 @@ def brute_force(model, training, n, space) -> tuple[set, int]:
     if not model.is_moe:
         eps = [e for e in eps if e == 1] or eps
     valid, total = set(), 0
-    for tp, pp, cp, ep, etp, z, rc, sp_, att, order, v, mb in itertools.product(
+    for tp, pp, cp, ep, etp, fold, z, rc, sp_, att, order, v, mb in itertools.product(
         deg["tp"], deg["pp"], deg["cp"], eps, set(space.expert_tensor_parallel),
+        set(space.ep_over_tp),
         set(space.zero_stage), set(space.recompute), set(space.sequence_parallel),
         set(space.attention), set(space.rank_order), set(space.virtual_stages),
         set(space.micro_batch_size),
@@ -50,7 +51,7 @@ def brute_force(model, training, n, space) -> tuple[set, int]:
         dp = n // (tp * pp * cp)
         try:
             plan = ParallelPlan(
-                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tensor_parallel=etp,
+                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tensor_parallel=etp, ep_over_tp=fold,
                 sequence_parallel=sp_, zero_stage=z, micro_batch_size=mb, recompute=rc,
                 attention=att, schedule="interleaved" if v > 1 else "1f1b",
                 virtual_stages=v, rank_order=order,
@@ -58,7 +59,7 @@ def brute_force(model, training, n, space) -> tuple[set, int]:
             validate_plan(model, training, plan, num_gpus=n)
         except ConfigError:
             continue
-        valid.add((tp, pp, cp, ep, dp, mb, v, z, rc, sp_, att, etp, order))
+        valid.add((tp, pp, cp, ep, dp, mb, v, z, rc, sp_, att, etp, fold, order))
     return valid, total
 
 
@@ -72,8 +73,9 @@ spaces = st.builds(
     tp=st.sampled_from(["auto", (1, 2, 3, 4, 8)]),
     pp=st.sampled_from(["auto", (1, 2, 4)]),
     cp=st.sampled_from([(1,), (1, 2, 3)]),
-    ep=st.sampled_from([(1,), "auto", (2, 3)]),
+    ep=st.sampled_from([(1,), "auto", (2, 3), (4, 8, 16)]),
     expert_tensor_parallel=st.sampled_from([(False,), (False, True)]),
+    ep_over_tp=st.sampled_from([(False,), (False, True)]),
     micro_batch_size=st.sampled_from([(1,), (1, 2, 3), (4, 8)]),
     zero_stage=st.sampled_from([(0,), (1, 3)]),
     recompute=st.sampled_from([("none",), ("full", "selective")]),

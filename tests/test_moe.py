@@ -120,6 +120,18 @@ def test_expert_states_shard_over_dp_over_ep():
         (ParallelPlan(dp=8, ep=3), "ep(3) does not divide experts(8)"),
         (ParallelPlan(dp=2, ep=4), "ep(4) does not divide dp(2)"),
         (ParallelPlan(dp=4, tp=2, ep=2), "needs sequence_parallel=true"),
+        (
+            ParallelPlan(dp=2, tp=2, ep=4, sequence_parallel=True),
+            "ep(4) does not divide dp(2); set ep_over_tp=true to span the tensor-parallel ranks",
+        ),
+        (
+            ParallelPlan(dp=4, tp=2, ep=1, ep_over_tp=True, sequence_parallel=True),
+            "ep(1) is not a multiple of tp(2)",
+        ),
+        (
+            ParallelPlan(dp=2, tp=2, ep=8, ep_over_tp=True, sequence_parallel=True),
+            "ep(8)/tp(2)=4 does not divide dp(2)",
+        ),
     ],
 )
 def test_moe_validation(plan, message):
@@ -142,7 +154,12 @@ def test_moe_sweep_and_expert_parallel_trace(tmp_path):
         hardware=(H100,),
         cluster=load_cluster("dgx_h100"),
         gpu_counts=(8,),
-        space=SearchSpace(ep="auto", micro_batch_size=(1,), expert_tensor_parallel=(False, True)),
+        space=SearchSpace(
+            ep="auto",
+            micro_batch_size=(1,),
+            expert_tensor_parallel=(False, True),
+            ep_over_tp=(False, True),
+        ),
     )
     store = ResultStore(tmp_path / "moe")
     report = run_grid(spec, LocalExecutor(), store, progress=False)
@@ -150,26 +167,32 @@ def test_moe_sweep_and_expert_parallel_trace(tmp_path):
     assert report.valid == len(df) > 0 and set(df["ep"]) >= {1, 2, 4, 8}
     assert (df.loc[df.ep > 1, "comm_all_to_all_bytes"] > 0).all()
     assert (df.loc[df.ep > 1, "ep_comm_s"] > 0).all()
-    row = df[(df.ep == 4) & (df.tp == 2) & (df.expert_tensor_parallel) & (df.pp == 1)].iloc[0]
+    # ep over the tensor-parallel ranks: ep 8 on 4 data-parallel ranks of tp 2
+    assert df.loc[df.ep > df.dp, "ep_over_tp"].all()
+    assert ((df.ep == 8) & (df.dp == 4) & df.ep_over_tp).any()
     from stage_dse.cli.trace import config_from_row
 
-    cfg = config_from_row(row)
-    out = tmp_path / "trace"
-    write_trace_set(cfg, out)
-    assert check_trace_dir(out) == []
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
-    groups = json.loads((out / "comm_groups.json").read_text())
-    _, nodes = read_trace(out / "trace.0.et")
-    a2a = [
-        n
-        for n in nodes
-        if n.type == pb.COMM_COLL_NODE
-        and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
-    ]
-    assert a2a
-    pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
-    assert len(groups[pg]) == 4  # the expert-parallel group
+    etp = df[(df.ep == 4) & (df.tp == 2) & (df.expert_tensor_parallel) & (df.pp == 1)].iloc[0]
+    over = df[(df.ep == 8) & (df.tp == 2) & (df.ep_over_tp) & (df.pp == 1)].iloc[0]
+    for name, row in (("etp", etp), ("over", over)):
+        cfg = config_from_row(row)
+        assert cfg.plan.ep_over_tp == (name == "over")
+        out = tmp_path / f"trace_{name}"
+        write_trace_set(cfg, out)
+        assert check_trace_dir(out) == []
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
+        groups = json.loads((out / "comm_groups.json").read_text())
+        _, nodes = read_trace(out / "trace.0.et")
+        a2a = [
+            n
+            for n in nodes
+            if n.type == pb.COMM_COLL_NODE
+            and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
+        ]
+        assert a2a
+        pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
+        assert len(groups[pg]) == int(row["ep"])  # the expert-parallel group
 
 
 def test_latent_attention_rotary_key_gradient_is_reduced_over_tensor_parallel_ranks():
@@ -278,3 +301,39 @@ def test_a_decode_step_reads_and_runs_only_the_experts_its_tokens_touch():
     assert one["serve_tpot_s"] < 0.3 * every_weight_s
     # batch 512: every expert has tokens, every weight is read
     assert many["serve_tpot_s"] > 0.9 * every_weight_s
+
+
+def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both():
+    """ep_over_tp: the expert group is tp ranks of ep/tp data-parallel replicas, so ep may
+    exceed dp; each GPU holds experts / ep experts (not experts / (ep/tp) replicated over TP),
+    their states replicate over the dp/(ep/tp) remaining data ranks, and the all-to-alls run
+    over EP x TP with the same bytes per GPU."""
+    model = small_moe()
+    t = TrainingSpec(seq_len=512, global_batch_size=16)
+    over = ParallelPlan(dp=2, tp=2, ep=4, ep_over_tp=True, sequence_parallel=True)
+    within = ParallelPlan(dp=2, tp=2, ep=2, sequence_parallel=True)  # same ep/tp data ranks
+    a, b = evaluate_plan(model, t, over), evaluate_plan(model, t, within)
+    experts = 4 * 8 * 3 * 256 * 128  # layers x experts x 3 matrices x h x fe
+    # expert weights per GPU: experts/4 over EP x TP against experts/2 replicated over TP
+    assert b["mem_weights_bytes"] - a["mem_weights_bytes"] == pytest.approx(
+        2 * experts * (1 / 2 - 1 / 4)
+    )
+    assert a["comm_all_to_all_tp-ep"] == pytest.approx(b["comm_all_to_all_ep"], rel=1e-12)
+    # expert gradients: replicated over TP they are all-reduced over it too; split, they are not
+    assert b["comm_all_reduce_tp-cp-dp"] > 0 and "comm_all_reduce_tp-cp-dp" not in a
+    assert a["model_flops"] == pytest.approx(b["model_flops"], rel=1e-12)
+    one_group = ParallelPlan(dp=2, tp=2, ep=2, ep_over_tp=True, sequence_parallel=True)
+    validate_plan(model, t, one_group)  # the experts over one tensor-parallel group
+    graphs = build_graphs(model, over, t)
+    groups = {op.group for op in graphs.block.ops if op.coll is CollKind.ALL_TO_ALL}
+    assert groups == {frozenset({MeshAxis.EP, MeshAxis.TP})}
+    with pytest.raises(ConfigError, match=r"ep_over_tp=true needs tp > 1"):
+        ParallelPlan(dp=4, ep=4, ep_over_tp=True)
+    with pytest.raises(ConfigError, match=r"set expert_tensor_parallel=false"):
+        ParallelPlan(dp=2, tp=2, ep=4, ep_over_tp=True, expert_tensor_parallel=True)
+    with pytest.raises(ConfigError, match=r"ep_over_tp needs a mixture-of-experts model"):
+        validate_plan(
+            load_model("llama3_8b"),
+            TrainingSpec(seq_len=4096, global_batch_size=16),
+            ParallelPlan(dp=2, tp=2, ep_over_tp=True, sequence_parallel=True),
+        )

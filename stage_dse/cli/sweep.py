@@ -87,7 +87,8 @@ AXES = (
     *(
         f"plan.{a}"
         for a in (
-            "tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size", "zero_stage",
+            "tp", "pp", "cp", "ep", "expert_tensor_parallel", "ep_over_tp", "micro_batch_size",
+            "zero_stage",
             "recompute", "sequence_parallel", "attention", "virtual_stages", "stage_layers",
             "rank_order",
         )

@@ -133,7 +133,7 @@ def _config_mode(
         raise ConfigError(f"plan.framework: give exactly one framework for a trace, got {names}")
     framework = sp_.frameworks[0]
     one = {}
-    for name in ("tp", "pp", "cp", "ep", "expert_tensor_parallel", "micro_batch_size",
+    for name in ("tp", "pp", "cp", "ep", "expert_tensor_parallel", "ep_over_tp", "micro_batch_size",
                  "zero_stage", "recompute", "sequence_parallel", "attention", "virtual_stages",
                  "stage_layers",
                  "rank_order"):  # fmt: skip

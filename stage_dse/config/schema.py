@@ -161,6 +161,8 @@ class PlanConf:
     ep: Any = field(default_factory=lambda: [1])
     """Expert-parallel sizes (MoE models): a list or ``auto`` (divisors of the expert count)."""
     expert_tensor_parallel: list[bool] = field(default_factory=lambda: [False])
+    ep_over_tp: list[bool] = field(default_factory=lambda: [False])
+    """Expert-parallel groups that span the tensor-parallel ranks too (ep may exceed dp)."""
     micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])

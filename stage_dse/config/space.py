@@ -47,6 +47,7 @@ def to_search_space(plan: dict) -> SearchSpace:
             raise ConfigError(f"plan.{name}={v!r}: give an integer, a list of integers or 'auto'")
     for name in (
         "expert_tensor_parallel",
+        "ep_over_tp",
         "micro_batch_size",
         "zero_stage",
         "recompute",

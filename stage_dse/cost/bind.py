@@ -66,6 +66,7 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
         "pp": plan.pp,
         "cp": plan.cp,
         "ep": plan.ep,
+        "ep_data": plan.ep_data,
         "virtual_stages": plan.virtual_stages,
         **stage_values(num_layers, plan.pp, plan.virtual_stages, plan.stage_layers),
     }

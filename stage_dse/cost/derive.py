@@ -308,7 +308,7 @@ def _derive(key: CostKey) -> TrainingCosts:
     multi = 1 - single
     has_mid = _min(1, _max(0, pp - 2))
     data = S.dp * S.cp
-    expert_data = S.dp / S.ep * S.cp
+    expert_data = S.dp / S.ep_data * S.cp
     zero = key.graph.zero_stage
 
     # layers: a mixture-of-experts model may have dense-MLP ones, leading (on the first stage)
@@ -369,7 +369,7 @@ def _derive(key: CostKey) -> TrainingCosts:
         head_count = next((c for sec, c in parts if sec is head), 0)
         numel = total(body, "weights_numel") + head_count * head_numel
         mp = total(body, "model_parallel_numel") + head_count * head_mp
-        # expert states are replicated over the dp/ep x cp ranks only (EP already splits them)
+        # expert states are replicated over the dp/ep_data x cp ranks only (EP splits them)
         expert = total(body, "expert_model_parallel_numel")
         dense = mp - expert
 

@@ -72,6 +72,7 @@ MODEL_KEY_COLUMNS = (
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
     "expert_tensor_parallel",
+    "ep_over_tp",
     "sequence_parallel",
     "attention",
     "zero_stage",
@@ -93,7 +94,8 @@ CHUNK_ROWS = 1 << 17
 
 def key_from_values(v: dict) -> CostKey:
     """The family key of a row's structural columns (:data:`KEY_COLUMNS`, by name)."""
-    optional = {"zero_sync_per_tensor": False}  # tables written before it was a column
+    # tables written before these were columns
+    optional = {"zero_sync_per_tensor": False, "ep_over_tp": False}
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
 
 
@@ -117,6 +119,7 @@ def _key_of(values: tuple) -> CostKey:
         shared_experts=bool(v["has_shared_experts"]),
         dense_layers=bool(v["has_dense_layers"]),
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
+        ep_over_tp=bool(v["ep_over_tp"]),
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
@@ -190,6 +193,7 @@ def config_row(
         {
             "num_gpus": plan.num_gpus,
             "expert_tensor_parallel": plan.expert_tensor_parallel,
+            "ep_over_tp": plan.ep_over_tp,
             "sequence_parallel": plan.sequence_parallel,
             "attention": plan.attention.value,
             "zero_stage": plan.zero_stage,

@@ -85,6 +85,8 @@ class GraphKey:
     """Some layers of the mixture-of-experts model use the dense MLP, leading or interleaved
     (a second block section; :func:`stage_dse.graph.layers.dense_layers_among` counts them)."""
     expert_tensor_parallel: bool = False
+    ep_over_tp: bool = False
+    """The expert-parallel group spans the tensor-parallel ranks (experts split over EP x TP)."""
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
     sliding_window: bool = False
@@ -116,6 +118,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         shared_experts=model.num_shared_experts > 0,
         dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
+        ep_over_tp=plan.ep_over_tp,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,

@@ -84,6 +84,9 @@ class Symbols:
     pp = _sym("pp")
     cp = _sym("cp")
     ep = _sym("ep")
+    ep_data = _sym("ep_data")
+    """Data-parallel ranks one expert-parallel group takes: ``ep``, or ``ep / tp`` when the
+    group spans the tensor-parallel ranks too (``ep_over_tp``)."""
     virtual_stages = _sym("virtual_stages")
     # the layer split over pipeline stages (stage_dse.spec.stages.stage_values)
     first_layers = _sym("first_layers")
@@ -182,11 +185,13 @@ training step and plan)."""
 
 DEGREE: dict[MeshAxis, sp.Expr] = {
     # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis holds the
-    # dp / ep replicas of each expert shard, so DP x EP spans all dp data-parallel ranks
-    MeshAxis.DP: S.dp / S.ep,
+    # dp / ep_data replicas of each expert shard, so DP x EP spans all dp data-parallel ranks
+    # (ep_data = ep, or ep / tp when the expert group also spans the tensor-parallel ranks)
+    MeshAxis.DP: S.dp / S.ep_data,
     MeshAxis.TP: S.tp,
     MeshAxis.PP: S.pp,
     MeshAxis.CP: S.cp,
-    MeshAxis.EP: S.ep,
+    MeshAxis.EP: S.ep_data,
 }
-"""Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep`` a factor of it)."""
+"""Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep_data`` a factor of
+it)."""

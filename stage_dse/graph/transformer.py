@@ -160,10 +160,12 @@ class _Builder:
         logits = g.einsum("router", ln2, self.w("router.weight", [H, E], [(), ()]), [Bt, Sq, E])
         probs = g.pointwise(SOFTMAX, "router_softmax", logits)
         origin = tuple(m for ms in ln2.layout for m in ms)  # the tokens' ranks
-        expert_ranks = (EP,)
-        slots = tuple(m for m in origin if m is not EP)
+        # experts over EP, or over EP x TP when the expert group spans the tensor-parallel
+        # ranks (each holds other experts; the tokens are split over TP by sequence parallelism)
+        expert_ranks = (EP, TP) if self.k.ep_over_tp else (EP,)
+        slots = tuple(m for m in origin if m not in expert_ranks)
         x_d = g.permute("moe_dispatch", ln2, [E, C, H], [(), origin, ()])
-        x_e = g.redistribute(x_d, [expert_ranks, slots, ()])  # all-to-all over EP
+        x_e = g.redistribute(x_d, [expert_ranks, slots, ()])  # all-to-all over EP (x TP)
         etp = self.k.expert_tensor_parallel
         if etp:  # experts split over TP: gather the TP group's tokens
             x_e = g.redistribute(x_e, [expert_ranks, tuple(m for m in slots if m is not TP), ()])
@@ -177,7 +179,7 @@ class _Builder:
         act = g.pointwise(SWIGLU, "experts.swiglu", gate, up)
         y_e = g.einsum("experts.down_proj", act, w2, [E, C, H])
         y_e = g.redistribute(y_e, [expert_ranks, slots, ()])  # reduce-scatter over TP (ETP)
-        y_d = g.redistribute(y_e, [(), origin, ()])  # all-to-all back over EP
+        y_d = g.redistribute(y_e, [(), origin, ()])  # all-to-all back over EP (x TP)
         y = g.permute("moe_combine", y_d, [Bt, Sq, H], ln2.layout, weights=probs, flops_per_elem=2)
         if self.k.shared_experts:
             shared = self.dense_mlp(ln2, DIMS.shared_ffn, prefix="shared_experts.")

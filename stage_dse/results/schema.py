@@ -42,7 +42,7 @@ LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_byt
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
-    "ep", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage",
+    "ep", "ep_data", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
     *STAGE_SYMBOLS,
@@ -51,7 +51,8 @@ INT_CONFIG = {
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
-    "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "mla", "sliding_window",
+    "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
+    "sliding_window",
     "sparse_attention", "zero_sync_per_tensor",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers",)

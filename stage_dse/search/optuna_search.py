@@ -48,6 +48,7 @@ PLAN_AXES = (
     "sequence_parallel",
     "ep",
     "expert_tensor_parallel",
+    "ep_over_tp",
     "virtual_stages",
     "stage_layers",
     "attention",

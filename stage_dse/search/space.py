@@ -38,18 +38,26 @@ __all__ = ["Enumeration", "PlanGrid", "SearchSpace", "divisors", "enumerate_plan
 Axis = Sequence[int] | str
 
 
-def _moe_rules(model, tp, ep, etp, sp_, dp) -> list[tuple[str, np.ndarray]]:
-    """The expert-parallel rules of ``validate_plan``, vectorized."""
+def _moe_rules(model, tp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]]:
+    """The expert-parallel rules of ``validate_plan``, vectorized (``fold``: ep_over_tp)."""
     if not model.is_moe:
         return [
             ("ep > 1 needs a mixture-of-experts model", ep > 1),
             ("expert_tensor_parallel needs a mixture-of-experts model", etp),
+            ("ep_over_tp needs a mixture-of-experts model", fold),
         ]
     E, fe = model.num_experts, model.moe_ffn_hidden_size
+    ep_data = np.where(fold, ep // np.maximum(tp, 1), ep)
     return [
         ("expert_tensor_parallel needs tp > 1", etp & (tp == 1)),
+        ("ep_over_tp needs tp > 1", fold & (tp == 1)),
+        ("ep_over_tp needs expert_tensor_parallel=false", fold & etp),
         (f"ep does not divide experts({E})", E % ep != 0),
-        ("ep does not divide dp", np.where(ep > 0, dp % np.maximum(ep, 1), 1) != 0),
+        ("ep is not a multiple of tp (ep_over_tp)", fold & (ep % np.maximum(tp, 1) != 0)),
+        (
+            "ep does not divide dp (ep/tp with ep_over_tp)",
+            np.where(ep_data > 0, dp % np.maximum(ep_data, 1), 1) != 0,
+        ),
         ("tp > 1 with experts needs sequence parallelism", (tp > 1) & ~sp_),
         (
             f"tp does not divide moe_ffn_hidden_size({fe}) (expert tensor parallel)",
@@ -153,7 +161,9 @@ class PlanGrid:
                 for name, x in self.split_values.items()
             },
             "ep": values("ep"),
+            "ep_data": np.where(values("ep_over_tp", bool), values("ep") // t_tp, values("ep")),
             "expert_tensor_parallel": values("expert_tensor_parallel", bool),
+            "ep_over_tp": values("ep_over_tp", bool),
             "sequence_parallel": values("sequence_parallel", bool),
             "zero_stage": values("zero_stage"),
             "recompute": labels("recompute"),
@@ -204,6 +214,7 @@ def plan_grid(
     axes: dict[str, list] = {
         "framework": [fw.name for fw in space.frameworks],
         "expert_tensor_parallel": list(dict.fromkeys(space.expert_tensor_parallel)),
+        "ep_over_tp": list(dict.fromkeys(space.ep_over_tp)),
         "ep": eps,
         "zero_stage": sorted(set(space.zero_stage)),
         "recompute": list(dict.fromkeys(space.recompute)),
@@ -257,6 +268,7 @@ def plan_grid(
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
     etp = grid("expert_tensor_parallel").astype(bool)
+    fold = grid("ep_over_tp").astype(bool)
     mp = tp * pp * cp
     dp = np.where(n % mp == 0, n // np.maximum(mp, 1), 0)
     per_step = np.maximum(dp * mb, 1)
@@ -281,7 +293,7 @@ def plan_grid(
         (f"cp does not divide seq({s})", s % cp != 0),
         (f"tp*cp does not divide seq({s}) under sequence parallelism", sp_ & (s % (tp * cp) != 0)),
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
-        *_moe_rules(model, tp, ep, etp, sp_, dp),
+        *_moe_rules(model, tp, ep, etp, fold, sp_, dp),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
     ]
     ok = np.ones(shape, dtype=bool)

@@ -93,10 +93,18 @@ class ParallelPlan:
     """Context-parallel size: the sequence is split, K/V exchanged in a ring."""
     ep: int = 1
     """Expert-parallel size (MoE models only): experts are split over ``ep`` of the ``dp``
-    data-parallel ranks (ep divides dp), as Megatron-LM and DeepSpeed-MoE do."""
+    data-parallel ranks (ep divides dp), as Megatron-LM and DeepSpeed-MoE do; with
+    ``ep_over_tp`` over ``ep / tp`` data-parallel ranks times the tensor-parallel group."""
     expert_tensor_parallel: bool = False
     """Experts split over the tensor-parallel group too (ETP = tp); off, each tensor-parallel
     rank runs whole experts on its own tokens (ETP = 1)."""
+    ep_over_tp: bool = False
+    """Expert parallelism spans the tensor-parallel ranks too (ETP = 1): each rank of a
+    tensor-parallel group holds other experts, and the expert-parallel group is the ``tp``
+    ranks of ``ep / tp`` data-parallel replicas, so ``ep`` may exceed ``dp``. Megatron-Core
+    builds its expert groups so when expert_tensor_parallel_size is 1 ("MoE parallel
+    folding": the expert ranks are laid over the flattened tp x cp x dp ranks; Liu et al.,
+    arXiv:2504.14960), as do torchtitan's expert groups when ETP is 1."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms/dropout split over the sequence on the TP group."""
     zero_stage: int = 0
@@ -145,6 +153,7 @@ class ParallelPlan:
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for flag in (
             "expert_tensor_parallel",
+            "ep_over_tp",
             "sequence_parallel",
             "overlap_grad_reduce",
             "overlap_param_gather",
@@ -180,6 +189,13 @@ class ParallelPlan:
             raise ConfigError("plan.sequence_parallel=true needs tp > 1, got tp(1)")
         if self.expert_tensor_parallel and self.tp == 1:
             raise ConfigError("plan.expert_tensor_parallel=true needs tp > 1, got tp(1)")
+        if self.ep_over_tp and self.tp == 1:
+            raise ConfigError("plan.ep_over_tp=true needs tp > 1, got tp(1)")
+        if self.ep_over_tp and self.expert_tensor_parallel:
+            raise ConfigError(
+                "plan.ep_over_tp=true splits experts over the tensor-parallel ranks by expert; "
+                "set expert_tensor_parallel=false (one of the two)"
+            )
         if self.schedule is PipelineSchedule.INTERLEAVED:
             if self.pp == 1:
                 raise ConfigError("plan.schedule=interleaved needs pp > 1, got pp(1)")
@@ -197,6 +213,12 @@ class ParallelPlan:
     def model_parallel_size(self) -> int:
         """GPUs holding one replica of the model: tp * pp * cp."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def ep_data(self) -> int:
+        """Data-parallel ranks an expert-parallel group takes: ``ep``, or ``ep / tp`` when it
+        spans the tensor-parallel ranks too."""
+        return self.ep // self.tp if self.ep_over_tp else self.ep
 
     @property
     def num_gpus(self) -> int:
@@ -241,9 +263,31 @@ def validate_plan(
             )
         if plan.expert_tensor_parallel:
             raise ConfigError("plan.expert_tensor_parallel needs a mixture-of-experts model")
+        if plan.ep_over_tp:
+            raise ConfigError("plan.ep_over_tp needs a mixture-of-experts model")
     else:
         divides("ep", plan.ep, "experts", model.num_experts)
-        divides("ep", plan.ep, "dp", plan.dp)
+        if plan.ep_over_tp:
+            if plan.ep % plan.tp:
+                raise ConfigError(
+                    f"ep({plan.ep}) is not a multiple of tp({plan.tp}) (ep_over_tp: the "
+                    "expert-parallel group holds whole tensor-parallel groups)"
+                )
+            if plan.dp % plan.ep_data:
+                raise ConfigError(
+                    f"ep({plan.ep})/tp({plan.tp})={plan.ep_data} does not divide dp({plan.dp}) "
+                    "(ep_over_tp: the expert-parallel group takes ep/tp data-parallel ranks)"
+                )
+        elif plan.dp % plan.ep:
+            hint = (
+                "; set ep_over_tp=true to span the tensor-parallel ranks too"
+                if plan.tp > 1
+                and not plan.expert_tensor_parallel
+                and plan.ep % plan.tp == 0
+                and plan.dp % (plan.ep // plan.tp) == 0
+                else ""
+            )
+            raise ConfigError(f"ep({plan.ep}) does not divide dp({plan.dp}){hint}")
         if plan.tp > 1 and not plan.sequence_parallel:
             raise ConfigError(
                 f"tp({plan.tp}) > 1 with experts needs sequence_parallel=true "

@@ -60,6 +60,8 @@ class SearchSpace:
     ep: Axis = (1,)
     """Expert-parallel sizes (MoE models); ``"auto"``: every divisor of the expert count."""
     expert_tensor_parallel: Sequence[bool] = (False,)
+    ep_over_tp: Sequence[bool] = (False,)
+    """Expert groups over the tensor-parallel ranks too (``ParallelPlan.ep_over_tp``)."""
     micro_batch_size: Sequence[int] = (1, 2, 4, 8)
     zero_stage: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = ("none", "selective", "full")  # also "op"

@@ -38,8 +38,9 @@ class Mesh:
         self.degree = {
             MeshAxis.TP: p.tp,
             MeshAxis.CP: p.cp,
-            MeshAxis.EP: p.ep,
-            MeshAxis.DP: p.dp // p.ep,  # EP is carved out of the data-parallel ranks
+            MeshAxis.EP: p.ep_data,
+            # EP is carved out of the data-parallel ranks (ep / tp of them with ep_over_tp)
+            MeshAxis.DP: p.dp // p.ep_data,
             MeshAxis.PP: p.pp,
         }
         self.order = p.rank_order

@@ -308,8 +308,8 @@ def group_size(plan, group) -> int:
     degree = {
         MeshAxis.TP: plan.tp,
         MeshAxis.CP: plan.cp,
-        MeshAxis.EP: plan.ep,
-        MeshAxis.DP: plan.dp // plan.ep,
+        MeshAxis.EP: plan.ep_data,
+        MeshAxis.DP: plan.dp // plan.ep_data,
         MeshAxis.PP: plan.pp,
     }
     return int(np.prod([degree[a] for a in group]))

@@ -91,6 +91,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         dp=int(row["dp"]),
         ep=int(row["ep"]),
         expert_tensor_parallel=bool(row["expert_tensor_parallel"]),
+        ep_over_tp=bool(row.get("ep_over_tp", False)),
         tp=int(row["tp"]),
         pp=int(row["pp"]),
         cp=int(row["cp"]),

@@ -174,6 +174,12 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     etp = f.get("etp")
     if etp not in (None, 1, tp):
         raise Unexpressible(f"expert tensor parallel etp({etp}) other than 1 or tp({tp})")
+    ep = f.get("ep", 1)
+    # ep beyond what the data-parallel ranks hold: expert groups over tp x data ranks, as
+    # Megatron-Core lays them out when expert_tensor_parallel_size is 1 (MoE parallel folding)
+    fold = bool(
+        model.is_moe and tp > 1 and etp != tp and dp % ep and ep % tp == 0 and dp % (ep // tp) == 0
+    )
     v = f.get("virtual_stages", 1)
     flags = framework.plan_flags()
     if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
@@ -183,8 +189,9 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         tp=tp,
         pp=pp,
         cp=cp,
-        ep=f.get("ep", 1),
+        ep=ep,
         expert_tensor_parallel=bool(model.is_moe and tp > 1 and etp == tp),
+        ep_over_tp=fold,
         sequence_parallel=bool(f.get("sequence_parallel", False)),
         zero_stage=zero,
         micro_batch_size=f.get("micro_batch", 1),
@@ -222,7 +229,7 @@ def plan_label(plan: ParallelPlan) -> str:
     if plan.cp > 1:
         parts.append(f"cp{plan.cp}")
     if plan.ep > 1:
-        parts.append(f"ep{plan.ep}")
+        parts.append(f"ep{plan.ep}" + ("(over tp)" if plan.ep_over_tp else ""))
     if plan.virtual_stages > 1:
         parts.append(f"v{plan.virtual_stages}")
     parts.append(f"mb{plan.micro_batch_size}")
