@@ -31,8 +31,12 @@ H100 = load_hardware("h100_sxm")
 
 
 def numeric(expr: sp.Expr, **values: float) -> float:
+    if "ep" in values:  # expert groups inside the data-parallel ranks
+        values.setdefault("ep_data", values["ep"])
     subs = {Symbols.all()[k]: v for k, v in values.items()}
-    return float(expr.subs(subs))
+    # all at once: substituting one symbol after another lets sympy settle a Min or Max on a
+    # partly bound expression (from the symbols' assumptions) before the rest are bound
+    return float(expr.xreplace(subs))
 
 
 NET = {
@@ -112,12 +116,28 @@ def test_all_gather_and_reduce_scatter_move_half_an_all_reduce():
 
 
 def test_oversubscription_slows_groups_spanning_pods():
+    """A pod's uplinks carry 1/oversubscription of its NIC bandwidth; a ring leaves a pod once
+    per group with members in it, so it slows down only when its group has fewer members per
+    pod than the oversubscription; an all-to-all's every member sends across."""
     size = sp.Float(1e9)
     vals = {"tp": 8, "dp": 64, "cp": 1, "ep": 1, "pp": 1, **NET}
-    t = collective_time(CollKind.ALL_REDUCE, {DP}, size, DEFAULT_ORDER)
-    flat = numeric(t, **vals)
-    slow = numeric(t, **{**vals, "pod_gpus": 128, "oversubscription": 4.0})
-    assert slow > 3 * flat
+    pods = {"pod_gpus": 128, "oversubscription": 4.0}
+    ring = collective_time(CollKind.ALL_GATHER, {DP}, size, DEFAULT_ORDER)
+    flat = numeric(ring, **vals)
+    # 16 data-parallel ranks per 128-GPU pod: 16 flows leave a pod of 128 NICs at 1/4
+    assert numeric(ring, **{**vals, **pods}) == pytest.approx(flat, rel=1e-12)
+    # with pipeline stages laid inside: one data-parallel rank per pod, the full 1:4
+    order = (TP, CP, EP, PP, DP)
+    deep = {**vals, "pp": 16, "dp": 8}
+    strided = collective_time(CollKind.ALL_GATHER, {DP}, size, order)
+    slow, fast = numeric(strided, **{**deep, **pods}), numeric(strided, **deep)
+    # the ring's scale-out term, 7/8 of the buffer over the NIC, at 1/4 of its bandwidth
+    assert slow - fast == pytest.approx(3 * 7 / 8 * 1e9 / (50e9 * 0.9), rel=1e-9)
+    # two ranks per pod: half the oversubscription
+    two = numeric(strided, **{**deep, "pod_gpus": 256, "oversubscription": 4.0})
+    assert two - fast == pytest.approx(1 * 7 / 8 * 1e9 / (50e9 * 0.9), rel=1e-9)
+    a2a = collective_time(CollKind.ALL_TO_ALL, {DP}, size, DEFAULT_ORDER)
+    assert numeric(a2a, **{**vals, **pods}) > 3 * numeric(a2a, **vals)
 
 
 def _time(model, training, plan, gpus, hw=H100, cluster="dgx_h100"):

@@ -51,6 +51,20 @@ def group_tiers(
     return n_in, n / n_in, span
 
 
+def pod_members(group: Iterable[MeshAxis], rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
+    """Members of a group among one pod's ``pod_gpus`` consecutive ranks (at least one): as
+    :func:`group_tiers` counts them per scale-up domain."""
+    group = set(group)
+    acc: sp.Expr = sp.Integer(1)
+    members: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        d = DEGREE[axis]
+        if axis in group:
+            members *= _max(1, _min(d, S.pod_gpus / acc))
+        acc = acc * d
+    return members
+
+
 def _ring(
     kind: CollKind,
     n_in: sp.Expr,
@@ -105,7 +119,7 @@ def _collective_time(
     # memoized: plan families share most of their collectives (same graph, other ZeRO stage
     # or recompute mode), and building these expressions is most of a family's derivation
     n_in, n_out, span = group_tiers(group, rank_order)
-    return _tier_time(kind, n_in, n_out, span, size_bytes)
+    return _tier_time(kind, n_in, n_out, span, size_bytes, pod_members(group, rank_order))
 
 
 def domain_collective_time(kind: CollKind, n_in: sp.Expr, size_bytes: sp.Expr) -> sp.Expr:
@@ -115,12 +129,23 @@ def domain_collective_time(kind: CollKind, n_in: sp.Expr, size_bytes: sp.Expr) -
 
 
 def _tier_time(
-    kind: CollKind, n_in: sp.Expr, n_out: sp.Expr, span: sp.Expr, size_bytes: sp.Expr
+    kind: CollKind,
+    n_in: sp.Expr,
+    n_out: sp.Expr,
+    span: sp.Expr,
+    size_bytes: sp.Expr,
+    in_pod: sp.Expr | int = 1,
 ) -> sp.Expr:
+    """``in_pod``: the group's members per pod (:func:`pod_members`)."""
     bw_in = S.intra_bandwidth * S.intra_efficiency
-    pod = sp.Piecewise(
-        (S.oversubscription, sp.Gt(span, S.pod_gpus, evaluate=False)), (1, True), evaluate=False
-    )
+    # above a pod the fabric carries 1/oversubscription of the pod's NIC bandwidth. Every group
+    # of the collective's kind runs at once; a ring (or a pipeline) leaves a pod once per group
+    # with members in it, so a pod's uplinks carry pod_gpus / in_pod flows at NIC speed: they
+    # slow down by oversubscription / in_pod when that exceeds 1. An all-to-all sends the
+    # share of its buffer bound outside the pod from every member: the full oversubscription.
+    crosses = sp.Gt(span, S.pod_gpus, evaluate=False)
+    share = S.oversubscription if kind is CollKind.ALL_TO_ALL else S.oversubscription / in_pod
+    pod = sp.Piecewise((_max(1, share), crosses), (1, True), evaluate=False)
     bw_out = S.inter_bandwidth * S.inter_efficiency / pod
     a_in, a_out = S.intra_latency, S.inter_latency
     if kind is CollKind.SEND_RECV:

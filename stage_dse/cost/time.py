@@ -39,8 +39,11 @@ Model, in order of the terms of ``time_step_s``:
   bandwidth protocol (Simple) and the low-latency one (LL: flag-carrying stores, half the
   bandwidth, a fraction of the latency). Inside one domain a small all-reduce may go one-shot
   (each GPU reads its peers' buffers over NVLink and reduces locally, TensorRT-LLM / vLLM
-  custom all-reduce). Groups spanning more than ``pod_gpus`` see the scale-out bandwidth
-  divided by ``oversubscription``.
+  custom all-reduce). Groups spanning more than ``pod_gpus`` share the pods' uplinks, which
+  carry ``1 / oversubscription`` of the pods' NIC bandwidth: a ring or pipeline leaves a pod
+  once per group with members in it, so with ``m`` members per pod its scale-out bandwidth is
+  divided by ``max(1, oversubscription / m)``; an all-to-all, whose every member sends across,
+  by ``oversubscription``.
 * **Exposure.** Tensor-parallel collectives and the expert-parallel all-to-alls sit on the
   critical path (tensor-parallel ones hide behind GEMMs with ``tp_comm_overlap``, all-to-alls
   behind another micro-batch's compute with ``ep_comm_overlap``, as DeepSeek-V3's DualPipe
