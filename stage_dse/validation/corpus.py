@@ -92,6 +92,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "virtual_stages": INT,
     "schedule": TEXT,
     "stage_layers": TEXT,
+    "rank_order": TEXT,
     "memory_gib": NUMBER,
     "async_tp": BOOL,
     "activation_cpu_offload": BOOL,

@@ -36,6 +36,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import even_domain_share
+from stage_dse.spec.plan import DEFAULT_RANK_ORDER
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -200,6 +201,7 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
         stage_layers=str(f.get("stage_layers", "balanced")),
+        rank_order=f.get("rank_order", DEFAULT_RANK_ORDER),
         **flags,
     )
 
