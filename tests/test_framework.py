@@ -173,3 +173,31 @@ def test_a_framework_hashes_alike_as_a_constant_and_as_a_column():
     columns = enumerate_plans(model, training, hardware, cluster, space).columns
     assert columns.columns["framework"] == "megatron_core"  # a constant of the columns
     assert list(config_hash(columns)) == list(config_hash(columns.frame()))
+
+
+def test_zero2_gradients_reduced_once_per_step_hold_full_gradient_memory():
+    """grad_sync_per_step (FSDP's no_sync): ZeRO-2 gradients accumulate unsharded and are
+    reduce-scattered once per step instead of once per micro-batch; the other stages keep
+    their schedule."""
+    from stage_dse.cost.bind import evaluate_plan
+    from stage_dse.spec import ParallelPlan
+
+    model = load_model("llama3_8b")
+    t = TrainingSpec(seq_len=2048, global_batch_size=64)
+    hw, cl = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=16)
+
+    def run(zero, once):
+        plan = ParallelPlan(dp=16, zero_stage=zero, micro_batch_size=1, grad_sync_per_step=once)
+        return evaluate_plan(model, t, plan, hardware=hw, cluster=cl)
+
+    per_mb, once, z1 = run(2, False), run(2, True), run(1, False)
+    m = 64 // 16  # micro-batches per step
+    grads = "comm_reduce_scatter_bytes"
+    assert per_mb[grads] == pytest.approx(m * once[grads], rel=1e-12)
+    assert once[grads] == pytest.approx(z1[grads], rel=1e-12)  # as ZeRO-1 reduces
+    assert once["mem_grads_bytes"] == pytest.approx(z1["mem_grads_bytes"], rel=1e-12)
+    assert once["mem_grads_bytes"] == pytest.approx(16 * per_mb["mem_grads_bytes"], rel=1e-9)
+    assert once["step_s"] < per_mb["step_s"]
+    for zero in (0, 1, 3):  # no effect beyond ZeRO-2
+        a, b = run(zero, False), run(zero, True)
+        assert a["step_s"] == b["step_s"] and a["mem_total_bytes"] == b["mem_total_bytes"]

@@ -378,7 +378,8 @@ def _derive(key: CostKey) -> TrainingCosts:
 
         return {
             "weights": numel * pb,
-            "grads": sharded(dense, expert, zero >= 2) * gb,
+            # accumulated unsharded when ZeRO-2 reduces once per step (FSDP no_sync)
+            "grads": sharded(dense, expert, zero >= 2 and not key.graph.grad_sync_per_step) * gb,
             "optimizer": sharded(dense, expert, zero >= 1) * ob,
         }
 

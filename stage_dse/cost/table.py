@@ -85,6 +85,7 @@ PLAN_KEY_COLUMNS = (
     "tp_dgrad_overlap",
     "ep_comm_overlap",
     "zero_sync_per_tensor",
+    "grad_sync_per_step",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -95,7 +96,7 @@ CHUNK_ROWS = 1 << 17
 def key_from_values(v: dict) -> CostKey:
     """The family key of a row's structural columns (:data:`KEY_COLUMNS`, by name)."""
     # tables written before these were columns
-    optional = {"zero_sync_per_tensor": False, "ep_over_tp": False}
+    optional = {"zero_sync_per_tensor": False, "ep_over_tp": False, "grad_sync_per_step": False}
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
 
 
@@ -120,6 +121,7 @@ def _key_of(values: tuple) -> CostKey:
         dense_layers=bool(v["has_dense_layers"]),
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
         ep_over_tp=bool(v["ep_over_tp"]),
+        grad_sync_per_step=bool(v["grad_sync_per_step"]) and int(v["zero_stage"]) == 2,
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
@@ -207,6 +209,7 @@ def config_row(
             "tp_dgrad_overlap": plan.tp_dgrad_overlap,
             "ep_comm_overlap": plan.ep_comm_overlap,
             "zero_sync_per_tensor": plan.zero_sync_per_tensor,
+            "grad_sync_per_step": plan.grad_sync_per_step,
         }
     )
     return row

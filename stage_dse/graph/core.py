@@ -91,12 +91,14 @@ class Graph(ForwardOps):
         param_bytes: int,
         grad_bytes: int,
         optimizer_bytes_per_param: int,
+        grad_sync_per_step: bool = False,
     ) -> None:
         """Gradient synchronization and the optimizer step for every stored weight.
 
         Gradients accumulate over micro-batches and are synchronized once per step (as
         Megatron-LM and DeepSpeed do) unless gradients are sharded: ZeRO-2 reduce-scatters every
-        micro-batch, ZeRO-3 already did so in backward. ZeRO-1/2 all-gather the updated
+        micro-batch (once per step with ``grad_sync_per_step``: FSDP's ``no_sync``), ZeRO-3
+        already did so in backward. ZeRO-1/2 all-gather the updated
         parameter shards after the step (Rajbhandari et al. SC20, sec. 7: same volume as an
         all-reduce). Remaining partial sums over non-data axes (norm weights under sequence
         parallelism) are all-reduced.
@@ -111,7 +113,8 @@ class Graph(ForwardOps):
                         g, w.layout, phase=Phase.BACKWARD, frequency=Frequency.PER_STEP
                     )
                 else:
-                    freq = Frequency.PER_STEP if zero_stage == 1 else Frequency.PER_MICROBATCH
+                    once = zero_stage == 1 or grad_sync_per_step
+                    freq = Frequency.PER_STEP if once else Frequency.PER_MICROBATCH
                     shard = self.redistribute(
                         g, zero_layout(w, data_axes), phase=Phase.BACKWARD, frequency=freq
                     )

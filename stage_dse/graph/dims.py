@@ -87,6 +87,8 @@ class GraphKey:
     expert_tensor_parallel: bool = False
     ep_over_tp: bool = False
     """The expert-parallel group spans the tensor-parallel ranks (experts split over EP x TP)."""
+    grad_sync_per_step: bool = False
+    """ZeRO-2 gradients are reduce-scattered once per step (accumulated unsharded)."""
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
     sliding_window: bool = False
@@ -119,6 +121,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
         ep_over_tp=plan.ep_over_tp,
+        grad_sync_per_step=plan.grad_sync_per_step and plan.zero_stage == 2,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,

@@ -517,6 +517,7 @@ class _Builder:
             param_bytes=self.k.param_bytes,
             grad_bytes=self.k.grad_bytes,
             optimizer_bytes_per_param=self.k.optimizer_bytes_per_param,
+            grad_sync_per_step=self.k.grad_sync_per_step,
         )
 
 

@@ -30,6 +30,7 @@ PLAN_FLAGS = (
     "tp_comm_overlap",
     "ep_comm_overlap",
     "zero_sync_per_tensor",
+    "grad_sync_per_step",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
 
@@ -54,6 +55,11 @@ class FrameworkSpec:
     tp_comm_overlap: bool = False
     ep_comm_overlap: bool = False
     zero_sync_per_tensor: bool = False
+    grad_sync_per_step: bool = False
+    """ZeRO-2 gradients accumulate unsharded over a step's micro-batches and are
+    reduce-scattered once (PyTorch FSDP's ``no_sync`` / FSDP2's
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch); off, every
+    micro-batch reduce-scatters them (DeepSpeed ZeRO-2)."""
     grads_dtype: DType | None = None
     """Precision of the gradient buffers and of their data-parallel reduction when the framework
     fixes it (Composer's FSDP ``DEFAULT`` mixed precision and torchtitan's FSDP2 reduce in fp32);

@@ -144,6 +144,13 @@ class ParallelPlan:
     and ``reduce_scatter`` over per-rank tensors: one copy per rank around each), and fetching a
     module's parameters synchronizes the device, so none of it overlaps compute; off, each
     layer's parameters move as one flat buffer under the neighbouring layer's compute."""
+    grad_sync_per_step: bool = False
+    """ZeRO-2: gradients accumulate unsharded (full gradient memory) over the step's
+    micro-batches and are reduce-scattered once, under the last micro-batch's backward as
+    ZeRO-1's are (PyTorch FSDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``; Meta's Llama 3
+    trainer, which accumulates fp32 gradients over micro-batches, "The Llama 3 Herd of Models"
+    sec. 3.3.2); off, each micro-batch reduce-scatters them (DeepSpeed ZeRO-2). Other stages
+    are unaffected (ZeRO-3 reduce-scatters in every backward)."""
 
     def __post_init__(self) -> None:
         owner = "plan"
@@ -161,6 +168,7 @@ class ParallelPlan:
             "tp_dgrad_overlap",
             "ep_comm_overlap",
             "zero_sync_per_tensor",
+            "grad_sync_per_step",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")

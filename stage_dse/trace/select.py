@@ -110,6 +110,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         tp_dgrad_overlap=bool(row["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(row["ep_comm_overlap"]),
         zero_sync_per_tensor=bool(row.get("zero_sync_per_tensor", False)),
+        grad_sync_per_step=bool(row.get("grad_sync_per_step", False)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
