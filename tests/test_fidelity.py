@@ -330,15 +330,15 @@ def test_explicit_splits_are_checked():
 
 
 # --------------------------------------------------------------------------- latency floors
-def _collective_s(kind, group, size_bytes, plan_values, cluster="dgx_h100"):
+def _collective_s(kind, group, size_bytes, plan_values, cluster="dgx_h100", order=None):
     from stage_dse.cost.bind import bind_hardware
     from stage_dse.cost.time import collective_time
     from stage_dse.graph.symbols import Symbols
     from stage_dse.spec import MeshAxis
 
-    order = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+    order = order or (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
     expr = collective_time(kind, group, sp.Float(size_bytes), order)
-    values = {**bind_hardware(H100, load_cluster(cluster)), **plan_values}
+    values = {**bind_hardware(H100, load_cluster(cluster)), "ep_data": 1, **plan_values}
     return float(expr.xreplace({Symbols.all()[k]: v for k, v in values.items()}).doit())
 
 
@@ -376,20 +376,28 @@ def test_small_all_gather_uses_the_low_latency_protocol():
 
 def test_groups_beyond_a_pod_share_an_oversubscribed_fabric():
     """Llama 3's cluster: full bisection inside 3,072-GPU pods, 1:7 above them. A data-parallel
-    all-reduce over 4,096 GPUs (tp 8 inside nodes) crosses pods; over 2,048 it does not."""
+    ring over 4,096 GPUs (tp 8 inside nodes) crosses pods with 384 members in each: the 8 rings
+    leave a pod 8 times, far below its uplinks, so it keeps the NIC's bandwidth. With the
+    pipeline stages laid inside the data-parallel axis (Llama 3's [TP, CP, PP, DP]) at pp 512,
+    a 2-rank data-parallel group has one member per pod: each of the pod's 3,072 GPUs sends
+    across, at 1/7. An all-to-all over the 4,096 GPUs sends across from every member: 1/7."""
     from stage_dse.graph import CollKind
-    from stage_dse.spec import MeshAxis
+    from stage_dse.spec import MeshAxis as M
 
-    def per_gb(dp):
-        values = {"tp": 8, "dp": dp, "cp": 1, "ep": 1, "pp": 1}
-        t = [
-            _collective_s(CollKind.ALL_REDUCE, {MeshAxis.DP}, b, values, "meta_h100_24k")
-            for b in (1e9, 2e9)
-        ]
+    def per_gb(kind, dp, pp=1, order=None):
+        values = {"tp": 8, "dp": dp, "cp": 1, "ep": 1, "pp": pp}
+        t = [_collective_s(kind, {M.DP}, b, values, "meta_h100_24k", order) for b in (1e9, 2e9)]
         return t[1] - t[0]  # seconds per extra GB: the bandwidth term alone
 
-    inside, across = per_gb(256), per_gb(512)
-    assert across / inside == pytest.approx(7 * (511 / 512) / (255 / 256), rel=1e-6)
+    ring = CollKind.ALL_REDUCE
+    inside, across = per_gb(ring, 256), per_gb(ring, 512)
+    assert across / inside == pytest.approx((511 / 512) / (255 / 256), rel=1e-6)
+    pp_inside = (M.TP, M.CP, M.EP, M.PP, M.DP)
+    near = per_gb(ring, 2, pp=256, order=pp_inside)  # 2,048 apart: one pod holds both
+    far = per_gb(ring, 2, pp=512, order=pp_inside)  # 4,096 apart: one member per pod
+    assert far / near == pytest.approx(7, rel=1e-6)
+    a2a = CollKind.ALL_TO_ALL
+    assert per_gb(a2a, 512) / per_gb(a2a, 256) == pytest.approx(7 * 511 / 512 / (255 / 256))
 
 
 # ------------------------------------------------- backward tensor-parallel reductions

@@ -7,9 +7,13 @@ import json
 
 import pandas as pd
 import pytest
+import sympy as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.bind import bind, evaluate_plan
+from stage_dse.cost.network import node_dedup_share
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.graph import CollKind, build_graphs
@@ -337,3 +341,34 @@ def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both(
             TrainingSpec(seq_len=4096, global_batch_size=16),
             ParallelPlan(dp=2, tp=2, ep_over_tp=True, sequence_parallel=True),
         )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 64))
+def test_node_deduplicated_dispatch_sends_at_most_what_an_all_to_all_does(copies, nodes):
+    """Each row goes once to every node that holds one of its copies' destinations: never
+    more than the copies themselves, never less than one row per node hit."""
+    share = float(node_dedup_share(sp.Integer(copies), sp.Integer(nodes)))
+    assert 0 < share <= 1 + 1e-12
+    if copies == 1:
+        assert share == pytest.approx(1.0)
+    # rows per node: the chance it is hit, against copies / nodes without deduplication
+    hit = 1 - (1 - 1 / nodes) ** copies
+    assert share * copies / nodes == pytest.approx(hit)
+    assert share >= 1 / copies - 1e-12
+
+
+def test_deduplicated_dispatch_shortens_only_all_to_alls_that_cross_nodes():
+    model = small_moe(num_experts=32, top_k=4)
+    t = TrainingSpec(seq_len=512, global_batch_size=32)
+    cl = load_cluster("dgx_h100", num_gpus=32)
+
+    def ep_s(ep, dedup):
+        plan = ParallelPlan(dp=32, ep=ep, ep_dispatch_dedup=dedup)
+        return evaluate_plan(model, t, plan, hardware=H100, cluster=cl)
+
+    inside, across = (ep_s(8, False), ep_s(8, True)), (ep_s(32, False), ep_s(32, True))
+    assert inside[0]["ep_comm_s"] == pytest.approx(inside[1]["ep_comm_s"], rel=1e-12)
+    assert across[1]["ep_comm_s"] < across[0]["ep_comm_s"]
+    # the bytes on the wire are the same buffers; only their network share shrinks
+    assert across[0]["comm_ep_bytes"] == across[1]["comm_ep_bytes"]

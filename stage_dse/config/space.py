@@ -67,7 +67,8 @@ def to_search_space(plan: dict) -> SearchSpace:
             f"plan.framework={names!r}: give a profile name, or a list of names and profiles "
             "({name: ..., tp_dgrad_overlap: ..., ...})"
         )
-    framework_only = ("zero_sync_per_tensor", "grad_sync_per_step")  # set by profiles alone
+    # set by profiles alone
+    framework_only = ("zero_sync_per_tensor", "grad_sync_per_step", "ep_dispatch_dedup")
     forced = {flag: data.pop(flag, None) for flag in PLAN_FLAGS if flag not in framework_only}
     for flag, value in forced.items():
         if value is not None and not isinstance(value, bool):

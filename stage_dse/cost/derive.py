@@ -229,6 +229,7 @@ class CostKey:
     tp_dgrad_overlap: bool = True
     ep_comm_overlap: bool = False
     zero_sync_per_tensor: bool = False
+    ep_dispatch_dedup: bool = False
 
 
 def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
@@ -243,6 +244,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         tp_dgrad_overlap=plan.tp_dgrad_overlap,
         ep_comm_overlap=plan.ep_comm_overlap,
         zero_sync_per_tensor=plan.zero_sync_per_tensor,
+        ep_dispatch_dedup=plan.ep_dispatch_dedup,
     )
 
 

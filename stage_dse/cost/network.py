@@ -75,8 +75,10 @@ def _ring(
     a_in: sp.Expr,
     a_out: sp.Expr,
     base: sp.Expr,
+    remote: sp.Expr | int = 1,
 ) -> sp.Expr:
-    """Hierarchical ring (tree across domains for all-reduce) on one protocol."""
+    """Hierarchical ring (tree across domains for all-reduce) on one protocol; an all-to-all
+    sends ``remote`` of its network bytes (1, or the node-deduplicated share)."""
     if kind is CollKind.ALL_REDUCE:
         return (
             2 * (n_in - 1) / n_in * size_bytes / bw_in
@@ -98,7 +100,7 @@ def _ring(
     n = n_in * n_out  # all-to-all
     return (
         (n_in - 1) / n * size_bytes / bw_in
-        + (n - n_in) / n * size_bytes / bw_out
+        + (n - n_in) / n * size_bytes * remote / bw_out
         + (n_in - 1) * a_in
         + (n - n_in) * a_out
         + base
@@ -106,20 +108,41 @@ def _ring(
 
 
 def collective_time(
-    kind: CollKind, group: Iterable[MeshAxis], size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+    kind: CollKind,
+    group: Iterable[MeshAxis],
+    size_bytes: sp.Expr,
+    rank_order: tuple[MeshAxis, ...],
+    copies: sp.Expr | None = None,
 ) -> sp.Expr:
-    """Seconds for one collective with a buffer of ``size_bytes`` per GPU (see module doc)."""
-    return _collective_time(kind, frozenset(group), sp.sympify(size_bytes), tuple(rank_order))
+    """Seconds for one collective with a buffer of ``size_bytes`` per GPU (see module doc).
+    ``copies``: an all-to-all that carries ``copies`` copies of each row (a token dispatched
+    to its ``top_k`` experts) sent once per destination node (:func:`node_dedup_share`)."""
+    return _collective_time(
+        kind, frozenset(group), sp.sympify(size_bytes), tuple(rank_order), copies
+    )
+
+
+def node_dedup_share(copies: sp.Expr, nodes: sp.Expr) -> sp.Expr:
+    """The share of an all-to-all's network bytes left when each row goes once to every other
+    node holding one of its ``copies`` destinations (spread evenly over ``nodes`` nodes): a
+    node is hit with probability ``1 - (1 - 1/nodes)^copies``, against ``copies / nodes``
+    rows per node without deduplication."""
+    return nodes * (1 - (1 - 1 / nodes) ** copies) / copies
 
 
 @lru_cache(maxsize=4096)
 def _collective_time(
-    kind: CollKind, group: frozenset, size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]
+    kind: CollKind,
+    group: frozenset,
+    size_bytes: sp.Expr,
+    rank_order: tuple[MeshAxis, ...],
+    copies: sp.Expr | None = None,
 ) -> sp.Expr:
     # memoized: plan families share most of their collectives (same graph, other ZeRO stage
     # or recompute mode), and building these expressions is most of a family's derivation
     n_in, n_out, span = group_tiers(group, rank_order)
-    return _tier_time(kind, n_in, n_out, span, size_bytes, pod_members(group, rank_order))
+    share = None if copies is None else node_dedup_share(copies, n_out)
+    return _tier_time(kind, n_in, n_out, span, size_bytes, pod_members(group, rank_order), share)
 
 
 def domain_collective_time(kind: CollKind, n_in: sp.Expr, size_bytes: sp.Expr) -> sp.Expr:
@@ -135,8 +158,10 @@ def _tier_time(
     span: sp.Expr,
     size_bytes: sp.Expr,
     in_pod: sp.Expr | int = 1,
+    remote_share: sp.Expr | None = None,
 ) -> sp.Expr:
-    """``in_pod``: the group's members per pod (:func:`pod_members`)."""
+    """``in_pod``: the group's members per pod (:func:`pod_members`); ``remote_share``: the
+    share of an all-to-all's network bytes sent (:func:`node_dedup_share`)."""
     bw_in = S.intra_bandwidth * S.intra_efficiency
     # above a pod the fabric carries 1/oversubscription of the pod's NIC bandwidth. Every group
     # of the collective's kind runs at once; a ring (or a pipeline) leaves a pod once per group
@@ -144,8 +169,9 @@ def _tier_time(
     # slow down by oversubscription / in_pod when that exceeds 1. An all-to-all sends the
     # share of its buffer bound outside the pod from every member: the full oversubscription.
     crosses = sp.Gt(span, S.pod_gpus, evaluate=False)
-    share = S.oversubscription if kind is CollKind.ALL_TO_ALL else S.oversubscription / in_pod
-    pod = sp.Piecewise((_max(1, share), crosses), (1, True), evaluate=False)
+    slow = S.oversubscription if kind is CollKind.ALL_TO_ALL else S.oversubscription / in_pod
+    pod = sp.Piecewise((_max(1, slow), crosses), (1, True), evaluate=False)
+    remote = sp.Integer(1) if remote_share is None else remote_share
     bw_out = S.inter_bandwidth * S.inter_efficiency / pod
     a_in, a_out = S.intra_latency, S.inter_latency
     if kind is CollKind.SEND_RECV:
@@ -164,13 +190,13 @@ def _tier_time(
     active = _min(1, n_in * n_out - 1)
     simple = _ring(
         kind, n_in, n_out, size_bytes, bw_in, bw_out, a_in, a_out,
-        active * S.collective_base_latency,
+        active * S.collective_base_latency, remote,
     )  # fmt: skip
     # the low-latency protocol: lower latencies, half the bandwidth (NCCL's LL; a cluster
     # without one has the bandwidth protocol's latencies bound here, so it never wins)
     ll = _ring(
         kind, n_in, n_out, size_bytes, bw_in / 2, bw_out / 2, S.ll_intra_latency,
-        S.ll_inter_latency, active * S.ll_base_latency,
+        S.ll_inter_latency, active * S.ll_base_latency, remote,
     )  # fmt: skip
     best = _min(simple, ll)
     if kind is not CollKind.ALL_REDUCE:

@@ -86,6 +86,7 @@ PLAN_KEY_COLUMNS = (
     "ep_comm_overlap",
     "zero_sync_per_tensor",
     "grad_sync_per_step",
+    "ep_dispatch_dedup",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -96,7 +97,9 @@ CHUNK_ROWS = 1 << 17
 def key_from_values(v: dict) -> CostKey:
     """The family key of a row's structural columns (:data:`KEY_COLUMNS`, by name)."""
     # tables written before these were columns
-    optional = {"zero_sync_per_tensor": False, "ep_over_tp": False, "grad_sync_per_step": False}
+    optional = dict.fromkeys(
+        ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup"), False
+    )
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
 
 
@@ -137,6 +140,7 @@ def _key_of(values: tuple) -> CostKey:
         tp_dgrad_overlap=bool(v["tp_dgrad_overlap"]),
         ep_comm_overlap=bool(v["ep_comm_overlap"]),
         zero_sync_per_tensor=bool(v.get("zero_sync_per_tensor", False)),
+        ep_dispatch_dedup=bool(v["ep_dispatch_dedup"]),
     )
 
 
@@ -210,6 +214,7 @@ def config_row(
             "ep_comm_overlap": plan.ep_comm_overlap,
             "zero_sync_per_tensor": plan.zero_sync_per_tensor,
             "grad_sync_per_step": plan.grad_sync_per_step,
+            "ep_dispatch_dedup": plan.ep_dispatch_dedup,
         }
     )
     return row

@@ -262,8 +262,10 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
     return _compute_time(op, saved)
 
 
-def _coll_time(coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet | None) -> sp.Expr:
-    t = collective_time(coll, group, size, order)
+def _coll_time(
+    coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet | None, copies=None
+) -> sp.Expr:
+    t = collective_time(coll, group, size, order, copies)
     if kernels is None or coll.value not in (
         "all_reduce",
         "all_gather",
@@ -324,7 +326,11 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes
             continue
         if op.is_comm:
-            t = _coll_time(op.coll, op.group, op.comm_bytes, order, kernels)
+            # token dispatch and combine: top_k copies of each token, sent once per node
+            # when the dispatcher deduplicates them (DeepEP)
+            dedup = key.ep_dispatch_dedup and op.coll is CollKind.ALL_TO_ALL
+            copies = S.top_k if dedup and MeshAxis.EP in op.group else None
+            t = _coll_time(op.coll, op.group, op.comm_bytes, order, kernels, copies)
             if op.group == {MeshAxis.CP}:
                 name = "cp_comm"
             elif MeshAxis.EP in op.group:

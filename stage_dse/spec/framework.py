@@ -31,6 +31,7 @@ PLAN_FLAGS = (
     "ep_comm_overlap",
     "zero_sync_per_tensor",
     "grad_sync_per_step",
+    "ep_dispatch_dedup",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
 
@@ -55,6 +56,10 @@ class FrameworkSpec:
     tp_comm_overlap: bool = False
     ep_comm_overlap: bool = False
     zero_sync_per_tensor: bool = False
+    ep_dispatch_dedup: bool = False
+    """Expert-parallel dispatch sends a token once to each node that holds one of its experts
+    and forwards it over NVLink; combine sums inside the node first (DeepEP); off, every
+    (token, expert) copy crosses the network (NCCL all-to-all)."""
     grad_sync_per_step: bool = False
     """ZeRO-2 gradients accumulate unsharded over a step's micro-batches and are
     reduce-scattered once (PyTorch FSDP's ``no_sync`` / FSDP2's

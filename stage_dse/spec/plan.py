@@ -144,6 +144,12 @@ class ParallelPlan:
     and ``reduce_scatter`` over per-rank tensors: one copy per rank around each), and fetching a
     module's parameters synchronizes the device, so none of it overlaps compute; off, each
     layer's parameters move as one flat buffer under the neighbouring layer's compute."""
+    ep_dispatch_dedup: bool = False
+    """Expert-parallel token dispatch deduplicated per node: a token crosses the network once
+    for each other node holding one of its experts, is forwarded to them over NVLink, and
+    their outputs are summed inside that node before the combine crosses back (DeepEP's
+    internode kernels, DeepSeek-V3 report sec. 3.2.2); off, each of its ``top_k`` copies
+    crosses on its own (NCCL all-to-all, Megatron-Core's ``alltoall`` dispatcher)."""
     grad_sync_per_step: bool = False
     """ZeRO-2: gradients accumulate unsharded (full gradient memory) over the step's
     micro-batches and are reduce-scattered once, under the last micro-batch's backward as
@@ -169,6 +175,7 @@ class ParallelPlan:
             "ep_comm_overlap",
             "zero_sync_per_tensor",
             "grad_sync_per_step",
+            "ep_dispatch_dedup",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")

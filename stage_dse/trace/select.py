@@ -111,6 +111,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         ep_comm_overlap=bool(row["ep_comm_overlap"]),
         zero_sync_per_tensor=bool(row.get("zero_sync_per_tensor", False)),
         grad_sync_per_step=bool(row.get("grad_sync_per_step", False)),
+        ep_dispatch_dedup=bool(row.get("ep_dispatch_dedup", False)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
