@@ -58,9 +58,13 @@ def test_fp8_halves_the_time_of_compute_bound_linear_gemms_only():
     st = section_time(build_graphs(model, plan, training("fp8")).block, key)
     cl = load_cluster("dgx_h100", num_gpus=1)
 
-    # exactly twice the peak at the same efficiency (the presets' FP8 efficiency is lower)
+    # exactly twice the peak at the same efficiency and shape dependence (the presets' FP8
+    # GEMMs reach less of their peak, and only at larger shapes)
     hw = dataclasses.replace(
-        H100, peak_fp8_flops=2 * H100.peak_flops, fp8_gemm_efficiency=H100.gemm_efficiency
+        H100,
+        peak_fp8_flops=2 * H100.peak_flops,
+        fp8_gemm_efficiency=H100.gemm_efficiency,
+        fp8_gemm_half_dim=H100.gemm_half_dim,
     )
 
     def num(expr, gemm):
@@ -127,3 +131,32 @@ def test_mfu_is_measured_against_the_peak_of_the_gemm_precision():
     r = evaluate_plan(model, t, plan, hardware=H100, cluster=load_cluster("dgx_h100", num_gpus=8))
     per_gpu = r["model_flops"] / (r["step_s"] * 8)
     assert r["mfu"] == pytest.approx(per_gpu / H100.peak_fp8_flops, rel=1e-12)
+
+
+def test_fp8_gemms_saturate_at_larger_shapes_than_bf16_ones():
+    """FP8 GEMMs reach half their large-GEMM rate at a smallest dimension of
+    ``fp8_gemm_half_dim`` (H100: 1,300, fitted to AIConfigurator's FP8 GEMM table), bf16 ones at
+    ``gemm_half_dim`` (128): the compute-bound time of a linear GEMM of smallest dimension d is
+    flops / (peak x efficiency x d / (d + half)), in each precision."""
+    assert H100.fp8_gemm_half_dim == 1300 and H100.gemm_half_dim == 128
+    assert load_hardware("a100_80gb").fp8_gemm_half_dim == 128  # none given: the bf16 one
+    model = gpt(layers=2, hidden=2048, heads=16)
+    plan = ParallelPlan(dp=1, micro_batch_size=4)
+    cl = load_cluster("dgx_h100", num_gpus=1)
+    from stage_dse.cost.kernel_time import _gemm_time, gemm_mnk
+
+    for gemm, peak, eff, half in (
+        ("bf16", H100.peak_flops, H100.gemm_efficiency, H100.gemm_half_dim),
+        ("fp8", H100.peak_fp8_flops, H100.fp8_gemm_efficiency, H100.fp8_gemm_half_dim),
+    ):
+        values = {**bind(model, training(gemm), plan), **bind_hardware(H100, cl)}
+
+        def num(expr, values=values):
+            return float(expr.xreplace({Symbols.all()[k]: v for k, v in values.items()}))
+
+        graph = build_graphs(model, plan, training(gemm)).block
+        fc1 = next(op for op in graph.ops if op.name == "fc1" and op.kind is OpKind.EINSUM)
+        d = min(num(x) for x in gemm_mnk(fc1))
+        assert d == 2048
+        expected = num(fc1.flops) / (peak * H100.sustained_clock * eff * d / (d + half))
+        assert num(_gemm_time(fc1)[0]) == pytest.approx(expected + H100.kernel_launch_s)

@@ -114,7 +114,9 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
         w16, w8, w4 = gemm_precision_weights()
         peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
         eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
-        eff = eff * shape
+        # FP8 GEMMs saturate at larger shapes (fp8_gemm_half_dim, HardwareSpec)
+        half = (1 - w8) * S.gemm_half_dim + w8 * S.fp8_gemm_half_dim
+        eff = eff * d / (d + half)
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
             streamed = (2 + S.gemm_bytes) * numel

@@ -112,6 +112,7 @@ class Symbols:
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
+    fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
@@ -157,6 +158,7 @@ HARDWARE_SYMBOLS = (
     "fp8_gemm_efficiency",
     "fp4_gemm_efficiency",
     "gemm_half_dim",
+    "fp8_gemm_half_dim",
     "attention_efficiency",
     "memory_efficiency",
     "kernel_launch_s",

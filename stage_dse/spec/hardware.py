@@ -8,6 +8,12 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
 
 * ``gemm_efficiency``: large bf16 GEMMs (cuBLAS) reach this fraction of peak; a GEMM whose
   smallest dimension is ``gemm_half_dim`` runs at half of that (tile and wave quantization).
+  FP8 GEMMs saturate only at far larger shapes (``fp8_gemm_half_dim``): fitting
+  ``E * d / (d + h)`` to AIConfigurator's measured GEMM tables (m 1024-16384, n and k
+  512-16384, kernels of 20 us or more) gives h = 1,328 (H100), 1,227 (H200), 2,038 (B200),
+  2,052 (GB200), 464 (L40S) and 889 (RTX PRO 6000) for FP8 against 66-280 for bf16 on the
+  same GPUs: an FP8 GEMM with 2,048-wide operands runs at 0.45 of its large-GEMM rate on
+  H100, a bf16 one at 0.95.
 * ``fp8_gemm_efficiency``: the same for FP8 GEMMs against the FP8 peak. FP8 kernels reach a
   smaller share of their doubled peak: in NVIDIA AIConfigurator's measured tables
   (aiconfigurator-core 0.12.0, GEMMs with m, n, k >= 4096) the median FP8 efficiency is 0.79
@@ -90,6 +96,8 @@ class HardwareSpec:
     """Large FP4 GEMMs' fraction of the FP4 peak (0: ``FP4_GEMM_RATIO`` x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     """Smallest GEMM dimension at which GEMM efficiency halves."""
+    fp8_gemm_half_dim: float = 0.0
+    """The same for FP8 GEMMs (0: ``gemm_half_dim``)."""
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
@@ -124,6 +132,9 @@ class HardwareSpec:
                 self, "fp8_gemm_efficiency", round(FP8_GEMM_RATIO * self.gemm_efficiency, 4)
             )
         _fraction(owner, "fp8_gemm_efficiency", self.fp8_gemm_efficiency)
+        non_negative_number(owner, "fp8_gemm_half_dim", self.fp8_gemm_half_dim)
+        if not self.fp8_gemm_half_dim:
+            object.__setattr__(self, "fp8_gemm_half_dim", float(self.gemm_half_dim))
         if not self.fp4_gemm_efficiency:
             object.__setattr__(
                 self, "fp4_gemm_efficiency", round(FP4_GEMM_RATIO * self.gemm_efficiency, 4)

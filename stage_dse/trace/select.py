@@ -124,6 +124,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         gemm_efficiency=float(row["gemm_efficiency"]),
         fp8_gemm_efficiency=float(row["fp8_gemm_efficiency"]),
         gemm_half_dim=float(row["gemm_half_dim"]),
+        fp8_gemm_half_dim=float(row.get("fp8_gemm_half_dim", row["gemm_half_dim"])),
         attention_efficiency=float(row["attention_efficiency"]),
         memory_efficiency=float(row["memory_efficiency"]),
         kernel_launch_s=float(row["kernel_launch_s"]),
