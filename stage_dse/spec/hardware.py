@@ -12,8 +12,10 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   ``E * d / (d + h)`` to AIConfigurator's measured GEMM tables (m 1024-16384, n and k
   512-16384, kernels of 20 us or more) gives h = 1,328 (H100), 1,227 (H200), 2,038 (B200),
   2,052 (GB200), 464 (L40S) and 889 (RTX PRO 6000) for FP8 against 66-280 for bf16 on the
-  same GPUs: an FP8 GEMM with 2,048-wide operands runs at 0.45 of its large-GEMM rate on
-  H100, a bf16 one at 0.95.
+  same GPUs: an FP8 GEMM whose weights are 2,048 wide runs at 0.61 of its large-GEMM rate on
+  H100, a bf16 one at 0.94. The half-saturation holds for the weight dimensions; in the token
+  dimension FP8 GEMMs saturate at twice ``gemm_half_dim`` (fitted 159-296 on H100 to GB200
+  with 8,192-wide weights), and a few tokens stream the weights.
 * ``fp8_gemm_efficiency``: the same for FP8 GEMMs against the FP8 peak. FP8 kernels reach a
   smaller share of their doubled peak: in NVIDIA AIConfigurator's measured tables
   (aiconfigurator-core 0.12.0, GEMMs with m, n, k >= 4096) the median FP8 efficiency is 0.79
