@@ -33,35 +33,39 @@ def group_tiers(
     values of it (at least one). Exact when degrees and ``N`` are powers of two.
     """
     group = set(group)
+    stride = _strides(rank_order)
+    n: sp.Expr = sp.Integer(1)
+    span: sp.Expr = sp.Integer(1)
+    for axis in rank_order:
+        if axis in group:
+            n *= DEGREE[axis]
+            span += stride[axis] * (DEGREE[axis] - 1)
+    n_in = members_within(group, rank_order, S.gpus_per_node)
+    return n_in, n / n_in, span
+
+
+def _strides(rank_order: tuple[MeshAxis, ...]) -> dict[MeshAxis, sp.Expr]:
+    """Each mesh axis's stride over global ranks (the product of the degrees before it)."""
     stride: dict[MeshAxis, sp.Expr] = {}
     acc: sp.Expr = sp.Integer(1)
     for axis in rank_order:
         stride[axis] = acc
         acc = acc * DEGREE[axis]
-    n_in: sp.Expr = sp.Integer(1)
-    n: sp.Expr = sp.Integer(1)
-    span: sp.Expr = sp.Integer(1)
-    for axis in rank_order:
-        if axis not in group:
-            continue
-        d = DEGREE[axis]
-        n_in *= _max(1, _min(d, S.gpus_per_node / stride[axis]))
-        n *= d
-        span += stride[axis] * (d - 1)
-    return n_in, n / n_in, span
+    return stride
 
 
-def pod_members(group: Iterable[MeshAxis], rank_order: tuple[MeshAxis, ...]) -> sp.Expr:
-    """Members of a group among one pod's ``pod_gpus`` consecutive ranks (at least one): as
-    :func:`group_tiers` counts them per scale-up domain."""
+def members_within(
+    group: Iterable[MeshAxis], rank_order: tuple[MeshAxis, ...], block: sp.Expr
+) -> sp.Expr:
+    """Members of a group among ``block`` consecutive ranks (at least one): axis ``a`` of
+    stride ``s_a`` has ``min(d_a, block / s_a)`` values there. ``block`` is a scale-up domain
+    (``gpus_per_node``, :func:`group_tiers`) or a pod (``pod_gpus``)."""
     group = set(group)
-    acc: sp.Expr = sp.Integer(1)
+    stride = _strides(rank_order)
     members: sp.Expr = sp.Integer(1)
     for axis in rank_order:
-        d = DEGREE[axis]
         if axis in group:
-            members *= _max(1, _min(d, S.pod_gpus / acc))
-        acc = acc * d
+            members *= _max(1, _min(DEGREE[axis], block / stride[axis]))
     return members
 
 
@@ -142,7 +146,8 @@ def _collective_time(
     # or recompute mode), and building these expressions is most of a family's derivation
     n_in, n_out, span = group_tiers(group, rank_order)
     share = None if copies is None else node_dedup_share(copies, n_out)
-    return _tier_time(kind, n_in, n_out, span, size_bytes, pod_members(group, rank_order), share)
+    in_pod = members_within(group, rank_order, S.pod_gpus)
+    return _tier_time(kind, n_in, n_out, span, size_bytes, in_pod, share)
 
 
 def domain_collective_time(kind: CollKind, n_in: sp.Expr, size_bytes: sp.Expr) -> sp.Expr:
@@ -160,7 +165,7 @@ def _tier_time(
     in_pod: sp.Expr | int = 1,
     remote_share: sp.Expr | None = None,
 ) -> sp.Expr:
-    """``in_pod``: the group's members per pod (:func:`pod_members`); ``remote_share``: the
+    """``in_pod``: the group's members per pod (:func:`members_within`); ``remote_share``: the
     share of an all-to-all's network bytes sent (:func:`node_dedup_share`)."""
     bw_in = S.intra_bandwidth * S.intra_efficiency
     # above a pod the fabric carries 1/oversubscription of the pod's NIC bandwidth. Every group

@@ -124,7 +124,7 @@ def _key_of(values: tuple) -> CostKey:
         dense_layers=bool(v["has_dense_layers"]),
         expert_tensor_parallel=bool(v["expert_tensor_parallel"]),
         ep_over_tp=bool(v["ep_over_tp"]),
-        grad_sync_per_step=bool(v["grad_sync_per_step"]) and int(v["zero_stage"]) == 2,
+        grad_sync_per_step=bool(v["grad_sync_per_step"]),
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),

@@ -88,7 +88,8 @@ class GraphKey:
     ep_over_tp: bool = False
     """The expert-parallel group spans the tensor-parallel ranks (experts split over EP x TP)."""
     grad_sync_per_step: bool = False
-    """ZeRO-2 gradients are reduce-scattered once per step (accumulated unsharded)."""
+    """ZeRO-2 gradients are reduce-scattered once per step (accumulated unsharded); other
+    stages keep their schedule, so the key holds it for ZeRO-2 only."""
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
     sliding_window: bool = False
@@ -100,6 +101,10 @@ class GraphKey:
     expert_param_bytes: float = 0
     """Serving: bytes per routed-expert weight value when the experts have their own format
     (gpt-oss: MXFP4 experts, the rest bf16); 0: ``param_bytes``."""
+
+    def __post_init__(self) -> None:
+        if self.grad_sync_per_step and self.zero_stage != 2:  # one family per structure
+            object.__setattr__(self, "grad_sync_per_step", False)
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -121,7 +126,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
         ep_over_tp=plan.ep_over_tp,
-        grad_sync_per_step=plan.grad_sync_per_step and plan.zero_stage == 2,
+        grad_sync_per_step=plan.grad_sync_per_step,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,

@@ -52,8 +52,8 @@ BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
-    "sliding_window",
-    "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step", "ep_dispatch_dedup",
+    "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
+    "ep_dispatch_dedup",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers",)
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""

@@ -247,6 +247,12 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
 
+def ep_fits_over_tp(ep: int, tp: int, dp: int) -> bool:
+    """Whether ``ep`` expert ranks can span the tensor-parallel group (``ep_over_tp``): whole
+    groups of ``tp``, taking ``ep / tp`` of the ``dp`` data-parallel ranks."""
+    return tp > 1 and ep % tp == 0 and dp % (ep // tp) == 0
+
+
 def validate_plan(
     model: ModelSpec,
     training: TrainingSpec,
@@ -296,10 +302,7 @@ def validate_plan(
         elif plan.dp % plan.ep:
             hint = (
                 "; set ep_over_tp=true to span the tensor-parallel ranks too"
-                if plan.tp > 1
-                and not plan.expert_tensor_parallel
-                and plan.ep % plan.tp == 0
-                and plan.dp % (plan.ep // plan.tp) == 0
+                if not plan.expert_tensor_parallel and ep_fits_over_tp(plan.ep, plan.tp, plan.dp)
                 else ""
             )
             raise ConfigError(f"ep({plan.ep}) does not divide dp({plan.dp}){hint}")

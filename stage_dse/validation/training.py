@@ -36,7 +36,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import even_domain_share
-from stage_dse.spec.plan import DEFAULT_RANK_ORDER
+from stage_dse.spec.plan import DEFAULT_RANK_ORDER, ep_fits_over_tp
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -102,9 +102,9 @@ def training_setup(case: Case) -> TrainingSetup:
         if "gpus_per_node" in f:
             overrides["gpus_per_node"] = f["gpus_per_node"]
         domain = overrides.get("gpus_per_node", load_cluster(cl_name, num_gpus=1).gpus_per_node)
-        if "gpus_per_node" not in f and even_domain_share(f["gpus"], domain):
-            # placement unstated: equal parts of the fewest domains that hold the job
-            overrides["gpus_per_node"] = domain = even_domain_share(f["gpus"], domain)
+        even = 0 if "gpus_per_node" in f else even_domain_share(f["gpus"], domain)
+        if even:  # placement unstated: equal parts of the fewest domains that hold the job
+            overrides["gpus_per_node"] = domain = even
         if f["gpus"] > domain and f["gpus"] % domain:
             raise Unexpressible(
                 f"gpus({f['gpus']}) is not a whole number of {cl_name}'s {domain}-GPU domains"
@@ -178,9 +178,7 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     ep = f.get("ep", 1)
     # ep beyond what the data-parallel ranks hold: expert groups over tp x data ranks, as
     # Megatron-Core lays them out when expert_tensor_parallel_size is 1 (MoE parallel folding)
-    fold = bool(
-        model.is_moe and tp > 1 and etp != tp and dp % ep and ep % tp == 0 and dp % (ep // tp) == 0
-    )
+    fold = bool(model.is_moe and etp != tp and dp % ep and ep_fits_over_tp(ep, tp, dp))
     v = f.get("virtual_stages", 1)
     flags = framework.plan_flags()
     if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
