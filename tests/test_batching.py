@@ -394,3 +394,67 @@ def test_sglang_splits_its_prefill_budget_over_dp_attention_ranks():
     assert split("sglang") == 1
     assert split("trtllm", attention_dp=True) == 1
     assert split("vllm", attention_dp=True) == 1
+
+
+def test_only_sglang_splits_its_running_limit_over_dp_attention_ranks():
+    """SGLang runs max_running_requests // dp_size per attention rank (model_runner.py);
+    TensorRT-LLM's max_batch_size is each rank's ("in each rank") and so is vLLM's
+    max_num_seqs (one engine core per data-parallel rank)."""
+    from types import SimpleNamespace
+
+    from stage_dse.validation.serving import _running_split
+
+    def split(engine, **f):
+        fields = {"engine": engine, "tp": 1, "ep": 8, "attention_dp": True, **f}
+        return _running_split(fields, SimpleNamespace(fields=fields))
+
+    assert split("sglang") == 8
+    assert split("trtllm") == 1
+    assert split("vllm") == 1
+    assert split("sglang", ep=1, attention_dp=False) == 1
+
+
+def expert_parallel_rows(ranks=8, sync=0.0, prompt=1000, out=1000):
+    serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=1)
+    model, hw = load_model("qwen3_30b_a3b"), load_hardware("h200")
+    row, key = serving_row(model, serving, hw, load_cluster("dgx_h100"), 1, 1, ranks)
+    row["dp_context_sync"] = sync
+    return pd.DataFrame([row]), [key]
+
+
+def test_unsynchronized_attention_ranks_wait_for_the_slowest_one():
+    """Expert-parallel attention ranks step in lock step: with prompts admitted per rank, any
+    rank's prompt stretches every rank's step (TensorRT-LLM's "ADP Balance Strategy"), so the
+    steady state is slower than with prompts run together; one rank, or a prompt in every
+    step, is the same either way."""
+    async_t, async_k = expert_parallel_rows(sync=0.0)
+    sync_t, sync_k = expert_parallel_rows(sync=1.0)
+    a = continuous_batching(async_t, async_k, 64, 8192).iloc[0]
+    s = continuous_batching(sync_t, sync_k, 64, 8192).iloc[0]
+    assert a["cb_step_s"] > s["cb_step_s"]
+    assert a["cb_tpot_s"] > s["cb_tpot_s"]
+    assert a["cb_requests_per_s"] < s["cb_requests_per_s"]
+    # the slowest rank costs at most its own part of a prompt step in every step
+    assert a["cb_step_s"] <= s["cb_mixed_step_s"] * (1 + 1e-9)
+    one_t, one_k = expert_parallel_rows(ranks=1, sync=0.0)
+    one_s, one_sk = expert_parallel_rows(ranks=1, sync=1.0)
+    assert continuous_batching(one_t, one_k, 64, 8192).iloc[0]["cb_step_s"] == pytest.approx(
+        continuous_batching(one_s, one_sk, 64, 8192).iloc[0]["cb_step_s"], rel=1e-12
+    )
+    # long prompts, short outputs: every step carries prompt tokens on every rank
+    full_t, full_k = expert_parallel_rows(sync=0.0, prompt=8000, out=8)
+    full_s, full_sk = expert_parallel_rows(sync=1.0, prompt=8000, out=8)
+    assert continuous_batching(full_t, full_k, 64, 2048).iloc[0]["cb_step_s"] == pytest.approx(
+        continuous_batching(full_s, full_sk, 64, 2048).iloc[0]["cb_step_s"], rel=1e-9
+    )
+
+
+def test_the_routed_experts_are_their_own_part_of_each_pass():
+    table, keys = expert_parallel_rows()
+    out = evaluate_serving_table(table, keys).iloc[0]
+    for mode in ("prefill", "decode"):
+        assert out[f"serve_{mode}_expert_s"] > 0
+    assert out["serve_prefill_expert_s"] < out["serve_ttft_s"]
+    assert out["serve_decode_expert_s"] < out["serve_tpot_s"]
+    dense, dense_keys = serving_rows()
+    assert evaluate_serving_table(dense, dense_keys).iloc[0]["serve_decode_expert_s"] == 0

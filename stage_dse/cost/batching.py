@@ -30,6 +30,17 @@ the table's ``step_overhead_s`` and ``request_overhead_s`` columns when present.
 decoding request's steps, ``(f d_mix T_mix + (1 - f) d_dec T_dec) / d``; TTFT ``p T_mix``
 plus queueing.
 
+**Attention ranks in lock step.** An expert-parallel replica of ``n = dp`` attention ranks
+steps together: every rank's tokens meet at the routed experts in each layer, so an iteration
+lasts as long as its slowest rank (idle ranks run empty batches). Where the ranks admit their
+prompts on their own (every engine's default; TensorRT-LLM's ``attention_dp_config.
+enable_balance`` runs them together: the table's ``dp_context_sync`` column), a step carries a
+prompt on some rank ``1 - (1 - f)^n`` of the time, not ``f``: in those extra steps the other
+ranks wait through that rank's own part of a prompt step (``T_mix - T_dec`` less its
+routed-expert work, which serves every rank's tokens and so costs its mean share only;
+``serve_prefill_expert_s``, ``serve_decode_expert_s``). TensorRT-LLM's tech blog 10, "ADP
+Balance Strategy", measures the loss: "the iteration time is dominated by the slowest rank".
+
 **Load** (per row, one of):
 
 * *saturated* (``arrival_rate = 0``, offline throughput benchmarks): the saturated rate; TTFT
@@ -171,6 +182,8 @@ def continuous_batching(
     else:
         classes = _classes(mix, n_rows)
     step_over = _column(table, "step_overhead_s")
+    ranks = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
+    async_dp = (ranks > 1) & (_column(table, "dp_context_sync") == 0)
     request_over = _column(table, "request_overhead_s")
     layers = table["layers"].to_numpy(float)
 
@@ -293,10 +306,22 @@ def continuous_batching(
                 t_dec,
             )
         t_dec = t_dec + step_over[rows] + request_over[rows] * d_dec
-        step = f * t_mix + (1.0 - f) * t_dec
-        weight_mix, weight_dec = f * d_mix, (1.0 - f) * d_dec
-        tpot = (weight_mix * t_mix + weight_dec * t_dec) / np.maximum(
-            weight_mix + weight_dec, 1e-300
+        # attention ranks in lock step with their prompts unsynchronized: a step lasts as
+        # long as its slowest rank, so whenever any of the n ranks runs a prompt the others
+        # wait through that rank's own part of it (all but the routed experts, which serve
+        # every rank's tokens and so cost the mean): t_wait, in 1 - (1 - f)^n of the steps
+        n = ranks[rows]
+        any_f = np.where(async_dp[rows], 1.0 - (1.0 - f) ** n, f)
+        shared = np.maximum(
+            mixed["serve_prefill_expert_s"].to_numpy() - dec["serve_decode_expert_s"].to_numpy(),
+            0.0,
+        )
+        t_wait = t_dec + np.clip(t_mix - t_dec - shared, 0.0, None)
+        step = f * t_mix + (any_f - f) * t_wait + (1.0 - any_f) * t_dec
+        weight_mix, weight_wait = f * d_mix, (any_f - f) * d_dec
+        weight_dec = (1.0 - any_f) * d_dec
+        tpot = (weight_mix * t_mix + weight_wait * t_wait + weight_dec * t_dec) / np.maximum(
+            weight_mix + weight_wait + weight_dec, 1e-300
         )
         tpot = tpot / gain[rows]
         names = ("p_i", "pre", "d", "running", "f", "q", "d_mix", "t_mix", "t_dec", "step", "tpot")

@@ -135,7 +135,7 @@ def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, 
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     if measure is not None:
         measure.start(ops)
-    compute, comm, mem, flops, attention = [], [], [], [], []
+    compute, comm, mem, flops, attention, experts = [], [], [], [], [], []
     for op in ops:
         if op.is_comm:
             t = collective_time(op.coll, op.group, op.comm_bytes, order)
@@ -143,6 +143,8 @@ def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, 
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
             t = _compute_time(op) if measure is None else measure.compute(op)
             (attention if op.region is Region.ATTENTION_CORE else compute).append(t)
+            if op.name in MOE_FUSED:
+                experts.append(t)
             mem.append(op.bytes / (S.hbm_bandwidth * S.memory_efficiency))
             eff = S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency
             if op.matmul:
@@ -155,6 +157,7 @@ def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, 
     return {
         "time": _sum(compute) + _sum(comm) + _sum(attention),
         "attention_time": _sum(attention),
+        "expert_time": _sum(experts),
         "memory_time": _sum(mem),
         "compute_time": _sum(flops),
         "weights": weights,
@@ -237,6 +240,7 @@ def _program(key: ServingKey, measured: bool):
         passes[mode] = {
             "time": lazy_xreplace((total("time") + (pp - 1) * hop), subs),
             "attention_time": lazy_xreplace(total("attention_time"), subs),
+            "expert_time": lazy_xreplace(total("expert_time"), subs),
             "memory_time": lazy_xreplace((total("memory_time") / pp), subs),
             "compute_time": lazy_xreplace((total("compute_time") / pp), subs),
             "working": _peak(blk["working"], subs),
@@ -308,6 +312,10 @@ def _program(key: ServingKey, measured: bool):
     # step (stage_dse.cost.batching)
     out["serve_prefill_attention_s"] = pre["attention_time"]
     out["serve_decode_attention_s"] = dec["attention_time"]
+    # the routed-expert block of each pass (MOE_FUSED): the work an expert-parallel step
+    # shares over its attention ranks, each rank's experts serving every rank's tokens
+    out["serve_prefill_expert_s"] = pre["expert_time"]
+    out["serve_decode_expert_s"] = dec["expert_time"]
     out["serve_decode_memory_s"] = dec["memory_time"]
     out["serve_decode_compute_s"] = dec["compute_time"]
     out["serve_weight_read_s"] = out["serve_weights_bytes"] / S.hbm_bandwidth

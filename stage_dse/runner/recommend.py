@@ -254,8 +254,8 @@ def recommend(
     table, keys, meta, rejected = _layouts(model, base, hardware, cluster, tps, eps, (1,))
     if not len(table):
         raise _none_buildable(model, tps, eps, rejected)
-    table["step_overhead_s"] = engine.step_overhead_s
-    table["request_overhead_s"] = engine.request_overhead_s
+    for name, value in engine.cost_columns().items():
+        table[name] = value
     ranks = table["tp"].to_numpy() * table["pp"].to_numpy()
     for name, values in _pool_columns(engine, hardware, ranks).items():
         table[name] = values

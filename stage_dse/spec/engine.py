@@ -62,6 +62,16 @@ class EngineSpec:
     dp_attention_splits_budget: bool = False
     """With attention data-parallel, each attention rank gets the token budget divided by the
     ranks (SGLang: ``chunked_prefill_size // dp_size``); off, every rank has the whole budget."""
+    dp_attention_splits_running: bool = False
+    """With attention data-parallel, each attention rank runs at most the running-request limit
+    divided by the ranks (SGLang: ``max_running_requests // dp_size``); off, the limit is each
+    rank's own (TensorRT-LLM's ``max_batch_size``, "max batch size in each rank"; vLLM's
+    ``max_num_seqs`` per data-parallel engine)."""
+    dp_context_sync: bool = False
+    """With attention data-parallel, the ranks run their prompts in the same iterations
+    (TensorRT-LLM's ``attention_dp_config.enable_balance``); off (every engine's default), each
+    rank admits prompts on its own and an iteration lasts as long as its slowest rank
+    (:mod:`stage_dse.cost.batching`)."""
 
     def __post_init__(self) -> None:
         for field in ("step_overhead_s", "request_overhead_s"):
@@ -84,17 +94,32 @@ class EngineSpec:
             raise ConfigError(
                 f"engine.kv_memory_fraction must be a fraction in (0, 1] (e.g. 0.9), got {v!r}"
             )
-        if not isinstance(self.dp_attention_splits_budget, bool):
-            raise ConfigError(
-                "engine.dp_attention_splits_budget must be true or false, "
-                f"got {self.dp_attention_splits_budget!r}"
-            )
+        for field in (
+            "dp_attention_splits_budget",
+            "dp_attention_splits_running",
+            "dp_context_sync",
+        ):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(
+                    f"engine.{field} must be true or false, got {getattr(self, field)!r}"
+                )
         v = self.cuda_graph_max_batch
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             raise ConfigError(f"engine.cuda_graph_max_batch must be an integer >= 0, got {v!r}")
 
     def replace(self, **changes: object) -> EngineSpec:
         return dataclasses.replace(self, **changes)
+
+    def cost_columns(self) -> dict[str, float]:
+        """The table columns of what this engine adds to each continuous-batching step
+        (:func:`stage_dse.cost.batching.continuous_batching` reads them): ``step_overhead_s``,
+        ``request_overhead_s`` and ``dp_context_sync`` (1.0 when attention ranks run their
+        prompts together)."""
+        return {
+            "step_overhead_s": self.step_overhead_s,
+            "request_overhead_s": self.request_overhead_s,
+            "dp_context_sync": float(self.dp_context_sync),
+        }
 
     def kv_pool_columns(
         self,

@@ -105,6 +105,7 @@ SERVING_FIELDS: dict[str, tuple] = {
     "n_gpus": INT,
     "dp": INT,
     "attention_dp": (bool, int),
+    "attention_dp_balance": BOOL,
     "chunked_prefill": BOOL,
     "weights": TEXT,
     "kv": TEXT,

@@ -129,8 +129,9 @@ def _row(case: Case):
             "tuned_max_batch": tuned[0],
             "tuned_max_num_tokens": tuned[1],
             "engine": engine.name,
-            "step_overhead_s": engine.step_overhead_s,
-            "request_overhead_s": engine.request_overhead_s,
+            **engine.cost_columns(),
+            # the record's attention_dp_config.enable_balance (TensorRT-LLM), else the engine's
+            "dp_context_sync": float(f.get("attention_dp_balance", engine.dp_context_sync)),
             **pool,
         }
     )
@@ -179,10 +180,20 @@ def _prefill_split(f: dict, case: Case) -> int:
     layout on an engine that divides its budget among them
     (``EngineSpec.dp_attention_splits_budget``: SGLang); elsewhere each rank has the whole
     budget."""
+    return _dp_split(f, case_engine(case).dp_attention_splits_budget and f.get("attention_dp"))
+
+
+def _running_split(f: dict, case: Case) -> int:
+    """Attention ranks the engine splits its running-request limit over: those of an
+    expert-parallel layout on an engine that divides the limit among them
+    (``EngineSpec.dp_attention_splits_running``: SGLang); elsewhere the limit is each rank's
+    (TensorRT-LLM's ``max_batch_size`` "in each rank", vLLM's ``max_num_seqs`` per engine)."""
+    return _dp_split(f, case_engine(case).dp_attention_splits_running)
+
+
+def _dp_split(f: dict, splits: bool) -> int:
     ranks = _layout(f)[2]
-    if case_engine(case).dp_attention_splits_budget and f.get("attention_dp") and ranks > 1:
-        return ranks
-    return 1
+    return ranks if splits and ranks > 1 else 1
 
 
 def _output_lengths(f: dict) -> tuple[str, float]:
@@ -379,8 +390,11 @@ def evaluate_serving(
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
-                # the engine's limit over the replica, per attention rank (ep of them)
-                np.array([m / _layout(x)[2] for (m, _), x in zip(limits, f)], dtype=float),
+                # the engine's limit per attention rank
+                np.array(
+                    [m / _running_split(x, by_id[cid]) for (m, _), x, cid in zip(limits, f, cont)],
+                    dtype=float,
+                ),
                 np.array(
                     [c / _prefill_split(x, by_id[cid]) for (_, c), x, cid in zip(limits, f, cont)],
                     dtype=float,
