@@ -74,6 +74,7 @@ def test_every_forward_op_kind_has_a_backward_rule():
 SERVING_INTERNALS = (
     "stage_dse.cost.serving",
     "stage_dse.cost.batching",
+    "stage_dse.cost.requests",
     "stage_dse.cost.disagg",
     "stage_dse.runner.serving",
     "stage_dse.runner.recommend",

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage_dse.config import load_cluster, load_hardware, load_model
-from stage_dse.cost.batching import continuous_batching, output_length_classes
+from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.requests import output_length_classes
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.runner.serving import serving_row

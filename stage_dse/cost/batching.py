@@ -81,19 +81,17 @@ TPOT are exactly the static batch-1 ones. One pipeline stage per replica (``pp =
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pandas as pd
 
+from stage_dse.cost.requests import LENGTH_CLASSES, mix_classes, output_length_classes
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching", "kv_pool_bytes", "output_length_classes", "request_classes"]
+__all__ = ["continuous_batching", "kv_pool_bytes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
-_LENGTH_CLASSES = 12  # classes of a spread of output lengths (geometric in survival)
 
 
 def _array(value, n_rows: int) -> np.ndarray:
@@ -174,13 +172,13 @@ def continuous_batching(
         # resolve the tail down to the longest of a burst's requests
         n_tail = np.maximum(np.where(sent > 0, sent, users), 2.0)
         classes = [
-            (prompt, np.where(spread, o, mean_out), np.where(spread, w, 1.0 / _LENGTH_CLASSES))
+            (prompt, np.where(spread, o, mean_out), np.where(spread, w, 1.0 / LENGTH_CLASSES))
             for o, w in output_length_classes(mean_out, np.where(spread, cap, np.inf), n_tail)
         ]
     elif mix is None:
         classes = [(table["prompt"].to_numpy(float), table["output_tokens"].to_numpy(float), 1.0)]
     else:
-        classes = _classes(mix, n_rows)
+        classes = mix_classes(mix, n_rows)
     step_over = _column(table, "step_overhead_s")
     ranks = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
     async_dp = (ranks > 1) & (_column(table, "dp_context_sync") == 0)
@@ -539,71 +537,3 @@ def kv_pool_bytes(table: pd.DataFrame, weights_bytes, working_bytes) -> np.ndarr
     free = np.minimum(free, _column(table, "engine_memory_bytes", np.inf) - weights - working)
     free = np.minimum(free, _column(table, "engine_static_bytes", np.inf) - weights)
     return np.maximum(free, 0.0) * _column(table, "kv_free_fraction", 1.0)
-
-
-def request_classes(mix) -> list[tuple[float, float, float]]:
-    """A request mix ``[[prompt, output_tokens, weight], ...]`` checked, as
-    ``(prompt, output_tokens, weight)`` classes with the weights normalised."""
-    classes = [tuple(float(x) for x in item) for item in mix]
-    if not classes or any(len(c) != 3 for c in classes):
-        raise ConfigError("serving.request_mix: give [[prompt, output_tokens, weight], ...]")
-    for p, o, w in classes:
-        if not (p >= 1 and o >= 1 and w > 0):
-            raise ConfigError(
-                f"serving.request_mix: prompt and output_tokens must be >= 1 and weights > 0, "
-                f"got [{p:g}, {o:g}, {w:g}]"
-            )
-    total = sum(w for _, _, w in classes)
-    return [(p, o, w / total) for p, o, w in classes]
-
-
-def _classes(mix, n_rows: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """Request classes ``(prompt, output_tokens, weight)`` over the rows, weights normalised."""
-    return [(np.full(n_rows, p), np.full(n_rows, o), w) for p, o, w in request_classes(mix)]
-
-
-def _truncated_scale(mean: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Scale ``theta`` of an exponential truncated to ``[0, cap]`` whose mean is ``mean``
-    (``theta - cap / (exp(cap / theta) - 1)``, increasing in ``theta``; bisection)."""
-    lo, hi = np.full_like(mean, 1e-9), np.where(np.isfinite(cap), 1e6 * mean + cap, 2 * mean)
-    for _ in range(_BISECT):
-        mid = 0.5 * (lo + hi)
-        with np.errstate(over="ignore"):
-            m = mid - np.where(np.isfinite(cap), cap / np.expm1(np.minimum(cap / mid, 700.0)), 0.0)
-        lo, hi = np.where(m < mean, mid, lo), np.where(m < mean, hi, mid)
-    return np.where(np.isfinite(cap), 0.5 * (lo + hi), mean)
-
-
-def output_length_classes(mean_tokens, cap_tokens, requests) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Output lengths spread as an exponential with mean ``mean_tokens`` truncated at
-    ``cap_tokens`` (the maximum-entropy law of a positive length whose mean alone is known;
-    benchmark samplers cap prompt plus output, e.g. 2,048 tokens in vLLM's ShareGPT sampler,
-    ``vllm/benchmarks/datasets.py`` ``is_valid_sequence``), as ``(output_tokens, weight)``
-    classes over the rows: the conditional means of survival bands ``1 > n^-1/(K-1) > ...
-    > 1/n > 0`` for ``n = requests``, so that the last class is the longest of ``n`` requests
-    (a burst's drain runs as long as its longest request). The classes' mean is
-    ``mean_tokens`` exactly."""
-    mean = np.asarray(mean_tokens, dtype=float)
-    cap = np.broadcast_to(np.asarray(cap_tokens, dtype=float), mean.shape)
-    n = np.broadcast_to(np.asarray(requests, dtype=float), mean.shape)
-    theta = _truncated_scale(mean, cap)
-    tail = np.where(np.isfinite(cap), np.exp(-np.minimum(cap / theta, 700.0)), 0.0)
-
-    def length_at(survival):  # the length a share ``survival`` of requests exceeds
-        return -theta * np.log(survival * (1.0 - tail) + tail)
-
-    def partial(x):  # integral of x e^(-x/theta) / theta from 0 to x, over (1 - tail)
-        e = np.exp(-np.minimum(x / theta, 700.0))
-        return (theta - (x + theta) * e) / (1.0 - tail)
-
-    levels = [n ** (-j / (_LENGTH_CLASSES - 1)) for j in range(_LENGTH_CLASSES)] + [None]
-    out = []
-    for upper, lower in itertools.pairwise(levels):
-        a = length_at(upper)
-        b = np.where(np.isfinite(cap), cap, np.inf) if lower is None else length_at(lower)
-        weight = upper - (0.0 if lower is None else lower)
-        b_part = np.where(
-            np.isfinite(b), partial(np.where(np.isfinite(b), b, 0.0)), theta / (1.0 - tail)
-        )
-        out.append(((b_part - partial(a)) / weight, weight))
-    return out

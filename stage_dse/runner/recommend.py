@@ -62,8 +62,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.batching import continuous_batching, request_classes
+from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.disagg import disaggregated
+from stage_dse.cost.requests import request_classes
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.runner.serving import measured_step_share, serving_row, serving_timing

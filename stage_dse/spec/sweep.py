@@ -239,7 +239,7 @@ class ServingSweepSpec:
     output_lengths: str = "fixed"
     """Continuous batching: ``fixed`` (every request decodes ``output_tokens``) or
     ``exponential`` (spread with that mean, see
-    :func:`stage_dse.cost.batching.output_length_classes`)."""
+    :func:`stage_dse.cost.requests.output_length_classes`)."""
     max_total_tokens: int = 0
     """Continuous batching: exponential output lengths keep prompt plus output within this
     (0: no cap; 2,048 is vLLM's ShareGPT sampler's)."""
