@@ -248,17 +248,20 @@ def trtllm_bench_limits(model, f: dict, hardware, kv: str, weights: str) -> tupl
     parameter for bf16, FP8 and NVFP4 checkpoints, at least one KV head per tensor-parallel
     rank), capped at 4,096 and split over the pipeline stages, rounded up (at least 64); the
     token budget that batch times ``1 + isl / osl``, capped at 32,768, rounded up (at least
-    2,048). NaN where the heuristic does not apply (other tools, latent attention: its KV
-    count is not the model's)."""
+    2,048). The heuristic reads the checkpoint's config.json literally (``ModelConfig`` of
+    ``bench/build/dataclasses.py``): under latent attention it counts ``num_key_value_heads``
+    full heads of ``hidden_size // num_attention_heads`` (DeepSeek-V3's config has no
+    ``head_dim``), not the latent the engine caches. NaN for other benchmark tools."""
     client = str((f.get("details") or {}).get("benchmark_client", ""))
-    if not client.startswith("trtllm-bench") or model.is_mla:
+    if not client.startswith("trtllm-bench"):
         return np.nan, np.nan
     per_param = {"fp8": 1.0, "fp4": 0.5, "nvfp4": 0.5}.get(weights, 2.0)
     per_kv = 1.0 if kv == "fp8" else 2.0
     tp, pp = f["tp"], f.get("pp", 1)
     gib = 2.0**30
     kv_heads = max(tp, model.num_kv_heads)
-    per_token_gib = 2 * model.num_layers * kv_heads * model.head_dim * per_kv / gib
+    head_size = model.hidden_size // model.num_heads if model.is_mla else model.head_dim
+    per_token_gib = 2 * model.num_layers * kv_heads * head_size * per_kv / gib
     engine_gib = total_params(model) * per_param / gib
     free_gib = hardware.hbm_bytes / gib * tp * pp - engine_gib
     requests = free_gib * 0.95 / (per_token_gib * (f["isl"] + f["osl"]))
