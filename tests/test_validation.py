@@ -167,9 +167,17 @@ def test_trtllm_bench_limits_follow_the_kv_cache_the_engine_leaves():
         model, {**bench, "tp": 8, "isl": 20000, "osl": 200}, h200, "fp8", "fp8"
     )
     assert 8192 <= long[1] <= 32768 and long[1] % 1024 == 0 and long[1] > tokens
-    # other clients and latent attention: not this heuristic
+    # other clients: not this heuristic
     other = {"details": {"benchmark_client": "vllm bench serve"}, "tp": 2, "isl": 1, "osl": 1}
     assert np.isnan(trtllm_bench_limits(model, other, h100, "fp8", "fp8")[0])
-    dsv3 = load_model("deepseek_v3")
-    f = {**bench, "tp": 8, "isl": 1000, "osl": 1000}
-    assert np.isnan(trtllm_bench_limits(dsv3, f, h200, "fp8", "fp8")[0])
+    # latent attention, read from config.json as tuning.py reads it: 128 key-value heads of
+    # 7168 // 128 = 56 dims over 61 layers, FP8 cache, half a byte per NVFP4 parameter
+    dsv3, b200 = load_model("deepseek_v3"), load_hardware("b200")
+    f = {**bench, "tp": 8, "isl": 128, "osl": 2048}
+    batch, tokens = trtllm_bench_limits(dsv3, f, b200, "fp8", "fp4")
+    gib = 2.0**30
+    free_gib = 8 * b200.hbm_bytes / gib - total_params(dsv3) * 0.5 / gib
+    requests = 0.95 * free_gib / (2 * 61 * 128 * 56 / gib * (128 + 2048))
+    assert 256 <= requests < 1024  # so rounded up to a multiple of 128
+    assert batch == 128 * np.ceil(requests / 128)
+    assert tokens == 2048  # batch x (1 + 128 / 2048) is below 4,096: at least 2,048
