@@ -156,6 +156,25 @@ def test_corpus_records_take_the_gradient_precision_of_their_framework_unless_th
     assert not composer.plans[0].tp_dgrad_overlap
 
 
+def test_a_corpus_record_may_state_its_recipes_own_switches():
+    import dataclasses
+
+    from stage_dse.validation.corpus import CorpusError, load_corpus
+    from stage_dse.validation.training import training_setup
+
+    cases = {c.id: c for c in load_corpus("training")}
+    # Megatron-Bridge's DeepSeek-V3 MXFP8 recipe on B200: DeepEP dispatch, all-to-alls
+    # overlapped with another micro-batch; the other records keep megatron_core's switches
+    dsv3 = training_setup(cases["mbridge26_04_01_deepseekv3_b200_256gpu_mxfp8_tp1_pp8_cp1_ep32"])
+    assert dsv3.plans[0].ep_comm_overlap and dsv3.plans[0].ep_dispatch_dedup
+    case = cases["mbridge26_04_01_qwen3_235b_a22b_b200_256gpu_mxfp8_tp1_pp8_cp1_ep8"]
+    qwen = training_setup(case)
+    assert not qwen.plans[0].ep_comm_overlap and not qwen.plans[0].ep_dispatch_dedup
+    bad = dataclasses.replace(case, fields={**case.fields, "framework_flags": {"fast": True}})
+    with pytest.raises(CorpusError, match=r"framework\.fast is not a plan flag"):
+        training_setup(bad)
+
+
 def test_a_profile_written_inline_in_the_sweep():
     spec = to_sweep(compose(["plan.framework=[megatron_core,{name: my_fsdp, "
                              "tp_dgrad_overlap: false, grads_dtype: bf16}]"]))  # fmt: skip

@@ -99,10 +99,13 @@ class FrameworkSpec:
     def with_flags(self, **flags: bool | None) -> FrameworkSpec:
         """This framework with some plan flags forced (None leaves a flag as it is); the name
         records what was changed (``megatron_core[tp_comm_overlap=true]``)."""
-        changed = {k: v for k, v in flags.items() if v is not None and getattr(self, k) != v}
-        unknown = sorted(set(changed) - set(PLAN_FLAGS))
+        unknown = sorted(set(flags) - set(PLAN_FLAGS))
         if unknown:
-            raise ConfigError(f"framework.{unknown[0]} is not a plan flag a framework sets")
+            raise ConfigError(
+                f"framework.{unknown[0]} is not a plan flag a framework sets "
+                f"({', '.join(PLAN_FLAGS)})"
+            )
+        changed = {k: v for k, v in flags.items() if v is not None and getattr(self, k) != v}
         if not changed:
             return self
         label = ",".join(f"{k}={str(v).lower()}" for k, v in sorted(changed.items()))

@@ -75,6 +75,7 @@ COMMON_FIELDS: dict[str, tuple] = {
 TRAINING_FIELDS: dict[str, tuple] = {
     **COMMON_FIELDS,
     "scheme": TEXT,
+    "framework_flags": (dict,),
     "gpus": INT,
     "dp": INT,
     "cp": INT,

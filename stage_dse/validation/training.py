@@ -92,7 +92,9 @@ def training_setup(case: Case) -> TrainingSetup:
     check_expressible(case)
     hw_name, cl_name = f["hardware"], f["cluster"]
     try:
-        framework = load_framework(f["framework"])
+        # the recipe's own switches where it states them (e.g. Megatron-Bridge's
+        # overlap_moe_expert_parallel_comm), the profile's elsewhere
+        framework = load_framework(f["framework"]).with_flags(**f.get("framework_flags", {}))
     except ConfigError as exc:
         raise CorpusError(f"{label}: framework: {exc}") from None
     model = case_model(case)
