@@ -459,3 +459,19 @@ def test_the_routed_experts_are_their_own_part_of_each_pass():
     assert out["serve_decode_expert_s"] < out["serve_tpot_s"]
     dense, dense_keys = serving_rows()
     assert evaluate_serving_table(dense, dense_keys).iloc[0]["serve_decode_expert_s"] == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(k=st.integers(1, 6), alpha=st.floats(0.0, 0.98))
+def test_draft_acceptance_inverts_the_tokens_a_step_keeps(k, alpha):
+    from stage_dse.cost.batching import draft_acceptance
+
+    length = sum(alpha**j for j in range(k + 1))
+    assert draft_acceptance(length, k) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_an_accepted_length_beyond_the_drafts_names_the_bound():
+    from stage_dse.cost.batching import draft_acceptance
+
+    with pytest.raises(ConfigError, match=r"draft_tokens \+ 1 = 4"):
+        draft_acceptance(4.5, 3)

@@ -88,7 +88,7 @@ from stage_dse.cost.requests import LENGTH_CLASSES, mix_classes, output_length_c
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching", "kv_pool_bytes"]
+__all__ = ["continuous_batching", "draft_acceptance", "kv_pool_bytes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
@@ -511,6 +511,24 @@ def continuous_batching(
     kept = ("cb_kv_capacity_seqs", "cb_working_bytes", "cb_load", "cb_bound")
     out.loc[~ok, [c for c in out.columns if c not in kept]] = np.nan
     return out
+
+
+def draft_acceptance(accepted_length: float, draft_tokens: int) -> float:
+    """The per-draft acceptance rate ``alpha`` at which ``draft_tokens`` drafts per step gain
+    ``accepted_length`` tokens per step on average, ``(1 - alpha^(k+1)) / (1 - alpha)`` (what
+    engines report as the mean acceptance length; bisection)."""
+    k = int(draft_tokens)
+    if k < 1 or not 1 <= accepted_length <= k + 1:
+        raise ConfigError(
+            f"serving: an accepted length of {accepted_length:g} tokens per step needs "
+            f"1 <= length <= draft_tokens + 1 = {k + 1}"
+        )
+    lo, hi = 0.0, 1.0
+    for _ in range(_BISECT):
+        mid = 0.5 * (lo + hi)
+        gain = sum(mid**j for j in range(k + 1))
+        lo, hi = (mid, hi) if gain < accepted_length else (lo, mid)
+    return min(0.5 * (lo + hi), 1.0 - 1e-9)
 
 
 def _at(lengths: dict, rows) -> dict:

@@ -123,6 +123,8 @@ SERVING_FIELDS: dict[str, tuple] = {
     "dataset": TEXT,
     "mode_note": TEXT,
     "kv_memory_fraction": NUMBER,
+    "draft_tokens": INT,
+    "accepted_length": NUMBER,
 }
 REQUIRED = {
     "training": (

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from stage_dse.config import list_presets, load_cluster, load_engine, load_hardware
-from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.batching import continuous_batching, draft_acceptance
 from stage_dse.cost.serving import ServingTiming, evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.spec.engine import EngineSpec
@@ -73,6 +73,15 @@ def _row(case: Case):
             raise Unexpressible(f"{key} dtype {f[key]!r} ({', '.join(valid)})")
     if f["mode"] == "other":
         raise Unexpressible(f"deployment not modelled: {f['mode_note']}")
+    if f.get("draft_tokens"):
+        if "accepted_length" not in f:
+            raise Unexpressible("speculative decoding whose acceptance is not stated")
+        if f["mode"] == "static":
+            raise Unexpressible("speculative decoding in a static batch")
+        try:
+            draft_acceptance(f["accepted_length"], f["draft_tokens"])
+        except ConfigError as exc:
+            raise CorpusError(f"{case.source.file}: run {case.id}: {exc}") from None
     if case.target.get("statistic") in ("p90", "p95", "p99"):
         raise Unexpressible(f"{case.target['statistic']} latency (the model gives means)")
     model = case_model(case)
@@ -390,6 +399,12 @@ def evaluate_serving(
             ]
             sub = table.iloc[sel].reset_index(drop=True)
             spreads = [_output_lengths(x) for x in f]
+            # speculative decoding (MTP) as the record states it: drafts per step and the
+            # mean tokens a step keeps
+            drafts = [int(x.get("draft_tokens", 0)) for x in f]
+            accept = [
+                draft_acceptance(x["accepted_length"], k) if k else 0.0 for x, k in zip(f, drafts)
+            ]
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
@@ -405,6 +420,8 @@ def evaluate_serving(
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
+                draft_tokens=np.array(drafts, dtype=float),
+                acceptance=np.array(accept, dtype=float),
                 output_lengths=np.array([s for s, _ in spreads], dtype=object),
                 max_total_tokens=np.array([cap for _, cap in spreads], dtype=float),
                 timing=timing,
