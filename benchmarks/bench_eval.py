@@ -10,6 +10,9 @@ separately; the warm pass is the figure of merit.
 A second pass times kernels from measured tables (``timing=measured``, needs the ``measured``
 extra): the same tables and loop sample, warm, and a second machine-readable line.
 
+The same warm evaluation through the column path the sweep runner takes
+(``evaluate_columns`` over the enumeration's columns, no DataFrame) is reported beside it.
+
 Run: ``python benchmarks/bench_eval.py``. The last two lines are machine readable.
 """
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.bind import evaluate_plan
-from stage_dse.cost.table import evaluate_table
+from stage_dse.cost.table import evaluate_columns, evaluate_table
 from stage_dse.search import SearchSpace, enumerate_plans
 from stage_dse.spec import ParallelPlan, TrainingSpec
 
@@ -83,6 +86,7 @@ def run(timing: str) -> str:
     warm_cpu = 0.0
     loop_plans = 0
     loop_cpu = 0.0
+    columns_cpu = 0.0
     print(f"timing={timing}")
     for name, seq, batch, hw_name, cl_name, gpus in WORKLOADS:
         model, hw = load_model(name), load_hardware(hw_name)
@@ -98,6 +102,15 @@ def run(timing: str) -> str:
         res = evaluate_table(enum.table, timing=timing)
         t_warm, wall = cpu() - t0, time.perf_counter() - w0
         n = len(enum.table)
+        gpu = None
+        if timing == "measured":
+            from stage_dse.kernels.tables import table_set
+
+            gpu = table_set(hw_name)
+        t0 = cpu()
+        evaluate_columns(enum.columns, timing=timing, measured_gpu=gpu)
+        t_columns = cpu() - t0
+        columns_cpu += t_columns
         feasible = int((res["mem_headroom_bytes"] >= 0).sum())
         families = enum.table.groupby(
             ["zero_stage", "recompute", "sequence_parallel", "attention", "schedule"]
@@ -106,7 +119,8 @@ def run(timing: str) -> str:
             f"{name} on {gpus} {hw_name}: candidates={enum.candidates} valid={n} "
             f"feasible={feasible} enumerate_cpu_s={t_enum:.3f} cold_eval_cpu_s={t_cold:.2f} "
             f"(compiles {families} families) "
-            f"warm_eval_cpu_s={t_warm:.3f} wall_s={wall:.3f} plans_per_cpu_s={n / t_warm:,.0f}"
+            f"warm_eval_cpu_s={t_warm:.3f} wall_s={wall:.3f} plans_per_cpu_s={n / t_warm:,.0f} "
+            f"columns_eval_cpu_s={t_columns:.3f} columns_plans_per_cpu_s={n / t_columns:,.0f}"
         )
         total_plans += n
         warm_cpu += t_warm
@@ -130,6 +144,7 @@ def run(timing: str) -> str:
     tag = "" if timing == "roofline" else f" timing={timing}"
     return (
         f"plans={total_plans} plans_per_cpu_s={rate:.0f} "
+        f"columns_plans_per_cpu_s={total_plans / columns_cpu:.0f} "
         f"loop_plans_per_cpu_s={loop_rate:.0f} peak_rss_mb={peak_mb:.0f}{tag}"
     )
 

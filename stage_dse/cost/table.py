@@ -92,6 +92,7 @@ KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
 
 CHUNK_ROWS = 1 << 17
+_FILL_ROWS = 1 << 12  # rows of the symbol matrix filled together (~2.5 MB: in cache)
 
 
 def key_from_values(v: dict) -> CostKey:
@@ -270,12 +271,12 @@ class PlanColumns:
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame({k: self.array(k) for k in self.columns})
 
-    def symbol_matrix(self) -> np.ndarray:
-        """``(rows, len(SYMBOL_NAMES))`` float64 input of the compiled families."""
-        x = np.empty((self.rows, len(SYMBOL_NAMES)))
-        for j, name in enumerate(SYMBOL_NAMES):
-            x[:, j] = self.columns[name]
-        return x
+    def symbol_matrix(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``(rows, len(SYMBOL_NAMES))`` float64 input of the compiled families, of rows
+        ``[start, stop)``. Filled a block of rows at a time, so that the column-by-column
+        writes stay in cache."""
+        stop = self.rows if stop is None else stop
+        return _row_matrix([self.columns[name] for name in SYMBOL_NAMES], start, stop)
 
     def family_runs(self) -> list[tuple[dict, int, int]]:
         """Maximal runs of rows sharing the structural columns: (their values, start, stop)."""
@@ -329,10 +330,37 @@ def evaluate_columns(
         runs = [
             (family_for(key_from_values(v), subset, b - a), a, b) for v, a, b in plans.family_runs()
         ]
-    return _evaluate_runs(plans.symbol_matrix(), runs)
+    return _evaluate_runs(_Rows([plans.columns[n] for n in SYMBOL_NAMES], plans.rows), runs)
 
 
-def _evaluate_runs(x: np.ndarray, runs: list) -> tuple[list[str], np.ndarray]:
+def _row_matrix(columns: list, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of ``columns`` (arrays or scalars) as a C-ordered float64
+    matrix, filled a block of rows at a time so that the column-by-column writes stay in
+    cache (a column's slice is contiguous, a row-major matrix's column is not)."""
+    x = np.empty((stop - start, len(columns)))
+    for lo in range(start, stop, _FILL_ROWS):
+        hi = min(lo + _FILL_ROWS, stop)
+        block = x[lo - start : hi - start]
+        for j, column in enumerate(columns):
+            block[:, j] = column if np.ndim(column) == 0 else column[lo:hi]
+    return x
+
+
+class _Rows:
+    """The symbol matrix of a plan table (its columns, arrays or scalars) built a chunk at a
+    time, as :func:`_evaluate_runs` slices it: never the whole table's at once."""
+
+    def __init__(self, columns: list, rows: int) -> None:
+        self.columns, self.rows = columns, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return _row_matrix(self.columns, rows.start, rows.stop)
+
+
+def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.ndarray]:
     """Evaluate rows ``[a, b)`` of ``x`` with their family; the union of the output columns
     (a communication column a family does not have is 0 bytes)."""
     names, where = _union_layout(tuple(family.names for family, _, _ in runs))
@@ -419,7 +447,7 @@ def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:
         c, u = pd.factorize(table[col], sort=False)
         codes = codes * max(len(u), 1) + c
         factors.append((c, list(u)))
-    x = table[list(SYMBOL_NAMES)].to_numpy(dtype=np.float64)
+    columns = [table[name].to_numpy(dtype=np.float64) for name in SYMBOL_NAMES]
     runs = np.flatnonzero(np.diff(codes)) + 1
     if len(runs) + 1 == len(np.unique(codes)):
         order = None  # rows of each family are already contiguous (enumeration emits them so)
@@ -427,14 +455,14 @@ def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:
     else:
         order = np.argsort(codes, kind="stable")
         starts = np.concatenate(([0], np.flatnonzero(np.diff(codes[order])) + 1))
-        x = x[order]
+        columns = [c[order] for c in columns]
     ends = np.concatenate((starts[1:], [len(table)]))
     families = []
     for a, b in zip(starts, ends):
         row = a if order is None else order[a]
         values = {col: u[c[row]] for col, (c, u) in zip(KEY_COLUMNS, factors)}
         families.append((make(key_from_values(values), b - a), a, b))
-    names, out = _evaluate_runs(x, families)
+    names, out = _evaluate_runs(_Rows(columns, len(table)), families)
     if order is not None:
         unsorted = np.empty_like(out)
         unsorted[order] = out
