@@ -271,13 +271,6 @@ class PlanColumns:
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame({k: self.array(k) for k in self.columns})
 
-    def symbol_matrix(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """``(rows, len(SYMBOL_NAMES))`` float64 input of the compiled families, of rows
-        ``[start, stop)``. Filled a block of rows at a time, so that the column-by-column
-        writes stay in cache."""
-        stop = self.rows if stop is None else stop
-        return _row_matrix([self.columns[name] for name in SYMBOL_NAMES], start, stop)
-
     def family_runs(self) -> list[tuple[dict, int, int]]:
         """Maximal runs of rows sharing the structural columns: (their values, start, stop)."""
         cuts: set[int] = set()
