@@ -180,8 +180,8 @@ def continuous_batching(
     else:
         classes = mix_classes(mix, n_rows)
     step_over = _column(table, "step_overhead_s")
-    ranks = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
-    async_dp = (ranks > 1) & (_column(table, "dp_context_sync") == 0)
+    replicas = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
+    async_dp = (replicas > 1) & (_column(table, "dp_context_sync") == 0)
     request_over = _column(table, "request_overhead_s")
     layers = table["layers"].to_numpy(float)
 
@@ -308,7 +308,7 @@ def continuous_batching(
         # long as its slowest rank, so whenever any of the n ranks runs a prompt the others
         # wait through that rank's own part of it (all but the routed experts, which serve
         # every rank's tokens and so cost the mean): t_wait, in 1 - (1 - f)^n of the steps
-        n = ranks[rows]
+        n = replicas[rows]
         any_f = np.where(async_dp[rows], 1.0 - (1.0 - f) ** n, f)
         shared = np.maximum(
             mixed["serve_prefill_expert_s"].to_numpy() - dec["serve_decode_expert_s"].to_numpy(),
@@ -353,7 +353,6 @@ def continuous_batching(
             else:
                 res[key][rows] = v
 
-    replicas = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
     lam_rank = lam / replicas  # arrivals per attention rank
     # open loop below saturation: the fixed point of r = lambda T(r)
     below = np.flatnonzero((lam > 0) & (lam_rank < mu) & ok)

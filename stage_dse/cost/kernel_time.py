@@ -20,10 +20,6 @@ ELEMENTWISE_KINDS = (OpKind.ELEMENTWISE, OpKind.BIAS, OpKind.NORM, OpKind.LOSS, 
 
 
 # --------------------------------------------------------------------------- compute
-def _gemm_min_dim(op: Op) -> sp.Expr:
-    return _min(*gemm_mnk(op))
-
-
 def _local_extents(op: Op) -> dict:
     """Each axis of ``op`` at its extent on one GPU (over the mesh axes that split it)."""
     return {

@@ -99,7 +99,6 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     _compute_time,
     _fp8_quantized_numel,
     _fusion_savings,
-    _gemm_min_dim,
     _gemm_time,
     _other_time,
     gemm_mnk,

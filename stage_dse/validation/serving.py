@@ -73,13 +73,16 @@ def _row(case: Case):
             raise Unexpressible(f"{key} dtype {f[key]!r} ({', '.join(valid)})")
     if f["mode"] == "other":
         raise Unexpressible(f"deployment not modelled: {f['mode_note']}")
-    if f.get("draft_tokens"):
+    # speculative decoding (MTP) as the record states it: drafts per step and the mean
+    # tokens a step keeps, as the per-draft acceptance the steady state takes
+    drafts, acceptance = int(f.get("draft_tokens", 0)), 0.0
+    if drafts:
         if "accepted_length" not in f:
             raise Unexpressible("speculative decoding whose acceptance is not stated")
         if f["mode"] == "static":
             raise Unexpressible("speculative decoding in a static batch")
         try:
-            draft_acceptance(f["accepted_length"], f["draft_tokens"])
+            acceptance = draft_acceptance(f["accepted_length"], drafts)
         except ConfigError as exc:
             raise CorpusError(f"{case.source.file}: run {case.id}: {exc}") from None
     if case.target.get("statistic") in ("p90", "p95", "p99"):
@@ -141,6 +144,8 @@ def _row(case: Case):
             **engine.cost_columns(),
             # the record's attention_dp_config.enable_balance (TensorRT-LLM), else the engine's
             "dp_context_sync": float(f.get("attention_dp_balance", engine.dp_context_sync)),
+            "draft_tokens": float(drafts),
+            "acceptance": acceptance,
             **pool,
         }
     )
@@ -399,12 +404,6 @@ def evaluate_serving(
             ]
             sub = table.iloc[sel].reset_index(drop=True)
             spreads = [_output_lengths(x) for x in f]
-            # speculative decoding (MTP) as the record states it: drafts per step and the
-            # mean tokens a step keeps
-            drafts = [int(x.get("draft_tokens", 0)) for x in f]
-            accept = [
-                draft_acceptance(x["accepted_length"], k) if k else 0.0 for x, k in zip(f, drafts)
-            ]
             cb = continuous_batching(
                 sub,
                 [keys[i] for i in sel],
@@ -420,8 +419,8 @@ def evaluate_serving(
                 np.array(rate, dtype=float),
                 clients=np.maximum(np.round(users), 0.0),
                 burst=np.maximum(np.round(sent), 0.0),
-                draft_tokens=np.array(drafts, dtype=float),
-                acceptance=np.array(accept, dtype=float),
+                draft_tokens=sub["draft_tokens"].to_numpy(float),
+                acceptance=sub["acceptance"].to_numpy(float),
                 output_lengths=np.array([s for s, _ in spreads], dtype=object),
                 max_total_tokens=np.array([cap for _, cap in spreads], dtype=float),
                 timing=timing,
