@@ -307,6 +307,42 @@ def test_a_decode_step_reads_and_runs_only_the_experts_its_tokens_touch():
     assert many["serve_tpot_s"] > 0.9 * every_weight_s
 
 
+@pytest.mark.parametrize("ep", [1, 8])
+def test_uneven_routing_times_the_busiest_expert_parallel_rank(ep):
+    """Under a power law of expert loads the roofline charges the routed experts' flops at
+    the busiest rank's load, ``1 + a ln(ep)`` times the mean (ROUTING_SKEW); on one GPU
+    (ep = 1) every expert runs in one grouped GEMM and the spread costs nothing. A prefill
+    of 4 x 4096 tokens on Qwen3-235B-A22B keeps the expert GEMMs compute-bound."""
+    import math
+
+    from stage_dse.runner.serving import serving_row
+    from stage_dse.spec.serving import ROUTING_SKEW, ServingSpec
+
+    model = load_model("qwen3_235b_a22b")
+    hw = load_hardware("b200")
+
+    def prefill(routing):
+        serving = ServingSpec(
+            prompt_len=4096, output_tokens=2, batch_size=4, weights_dtype="fp8",
+            moe_routing=routing,
+        )  # fmt: skip
+        row, key = serving_row(model, serving, hw, load_cluster("hgx_b200"), 1, 1, ep)
+        return evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+
+    even, skewed = prefill("balanced"), prefill("power_law_1.2")
+    # only the routed experts change; the rest of the pass is the same
+    rest = even["serve_ttft_s"] - even["serve_prefill_expert_s"]
+    assert skewed["serve_ttft_s"] - skewed["serve_prefill_expert_s"] == pytest.approx(rest)
+    if ep == 1:
+        assert skewed["serve_ttft_s"] == pytest.approx(even["serve_ttft_s"], rel=1e-12)
+        return
+    load = 1 + ROUTING_SKEW["power_law_1.2"] * math.log(ep)
+    ratio = skewed["serve_prefill_expert_s"] / even["serve_prefill_expert_s"]
+    # the grouped GEMMs scale by the load; routing, permutation and combine do not
+    assert 1 < ratio <= load + 1e-9
+    assert ratio > 1 + 0.8 * (load - 1)
+
+
 def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both():
     """ep_over_tp: the expert group is tp ranks of ep/tp data-parallel replicas, so ep may
     exceed dp; each GPU holds experts / ep experts (not experts / (ep/tp) replicated over TP),

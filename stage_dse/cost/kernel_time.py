@@ -62,12 +62,13 @@ def gemm_precision_weights() -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     return w16, 1 - w16 - w4, w4
 
 
-def _compute_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
+def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Expr:
     """Seconds of one kernel: roofline, never below the kernel class's floor. ``saved_bytes``:
     HBM traffic a fused element-wise op does not make; such an op runs inside its consumer's
-    kernel, so it pays no floor of its own."""
+    kernel, so it pays no floor of its own. ``skew``: uneven routing
+    (:func:`busiest_rank_load`)."""
     if op.kind is OpKind.EINSUM:
-        gemm, quantize = _gemm_time(op, saved_bytes)
+        gemm, quantize = _gemm_time(op, saved_bytes, skew)
         return gemm + quantize
     return _other_time(op, saved_bytes)
 
@@ -87,6 +88,16 @@ def touched_experts(op: Op) -> sp.Expr | None:
     return 1 - sp.exp(-tokens)
 
 
+def busiest_rank_load(op: Op, skew: float) -> sp.Expr:
+    """The routed rows of the busiest expert-parallel rank over the mean, ``1 + skew ln(ep)``
+    (:data:`~stage_dse.spec.serving.ROUTING_SKEW`): every rank waits for it, so a grouped
+    expert GEMM's flops count at that rank's load. 1 for other ops and for even routing."""
+    if skew == 0 or DIMS.experts not in set(op.axes_iter):
+        return sp.Integer(1)
+    ep = DIMS.experts.extent / _local_extents(op)[DIMS.experts]
+    return 1 + sp.Float(skew) * sp.log(ep)
+
+
 def _token_and_weight_dims(op: Op) -> tuple[sp.Expr, sp.Expr]:
     """(the token dimension, the smaller weight dimension) of a GEMM: m and min(n, k), or for
     a weight gradient k and min(m, n)."""
@@ -94,10 +105,11 @@ def _token_and_weight_dims(op: Op) -> tuple[sp.Expr, sp.Expr]:
     return (k, _min(m, n)) if op.outputs[0].role is Role.GRAD else (m, _min(n, k))
 
 
-def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
+def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.Expr, sp.Expr]:
     """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds. A
     grouped expert GEMM runs only its touched experts (:func:`touched_experts`): their
-    weights are read, their tiles hold the tokens of the touched experts."""
+    weights are read, their tiles hold the tokens of the touched experts; under uneven
+    routing (``skew``) its flops are the busiest rank's (:func:`busiest_rank_load`)."""
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     tokens, width = _token_and_weight_dims(op)
@@ -126,7 +138,8 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0) -> tuple[sp.Expr, sp.Expr]:
             streamed = (2 + S.gemm_bytes) * numel
             kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
             quantize = (1 - w16) * kernel
-    gemm = _max(op.flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
+    flops = op.flops * busiest_rank_load(op, skew)
+    gemm = _max(flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
     gemm = gemm + S.kernel_launch_s
     return gemm, quantize
 

@@ -60,7 +60,7 @@ from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
-from stage_dse.spec.serving import MOE_ROUTINGS, ServingSpec, validate_serving
+from stage_dse.spec.serving import MOE_ROUTINGS, ROUTING_SKEW, ServingSpec, validate_serving
 
 __all__ = [
     "ServingKey",
@@ -78,8 +78,9 @@ class ServingKey:
     kv_bytes: int
     rank_order: tuple[MeshAxis, ...]
     moe_routing: str = "balanced"
-    """Expert loads of measured MoE kernels (:data:`~stage_dse.spec.serving.MOE_ROUTINGS`);
-    the roofline times routing as balanced whatever this says."""
+    """How tokens spread over experts (:data:`~stage_dse.spec.serving.MOE_ROUTINGS`): the
+    measured MoE kernels' tables, the roofline's busiest expert-parallel rank
+    (:data:`~stage_dse.spec.serving.ROUTING_SKEW`)."""
 
 
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
@@ -131,7 +132,9 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
-def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, sp.Expr]:
+def _forward(
+    graph: Graph, order, measure: _Measure | None = None, skew: float = 0.0
+) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     if measure is not None:
         measure.start(ops)
@@ -141,7 +144,7 @@ def _forward(graph: Graph, order, measure: _Measure | None = None) -> dict[str, 
             t = collective_time(op.coll, op.group, op.comm_bytes, order)
             comm.append(measure.collective(op, order, t) if measure is not None else t)
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
-            t = _compute_time(op) if measure is None else measure.compute(op)
+            t = _compute_time(op, skew=skew) if measure is None else measure.compute(op)
             (attention if op.region is Region.ATTENTION_CORE else compute).append(t)
             if op.name in MOE_FUSED:
                 experts.append(t)
@@ -214,17 +217,20 @@ def _program(key: ServingKey, measured: bool):
     single = sp.Max(0, 2 - pp)
     out: dict[str, sp.Expr] = {}
     passes = {}
+    skew = ROUTING_SKEW[key.moe_routing]
     for mode, subs in PASSES.items():
         graphs = build_serving_graphs(key.graph, mode, key.kv_bytes)
         measure = _Measure(kernels, mode, key) if kernels is not None else None
-        emb = _forward(graphs.embed, key.rank_order, measure)
-        blk = _forward(graphs.block, key.rank_order, measure)
-        head = _forward(graphs.head, key.rank_order, measure)
-        dns = _forward(graphs.dense, key.rank_order, measure) if graphs.dense is not None else None
+        emb = _forward(graphs.embed, key.rank_order, measure, skew)
+        blk = _forward(graphs.block, key.rank_order, measure, skew)
+        head = _forward(graphs.head, key.rank_order, measure, skew)
+        dns = None
+        if graphs.dense is not None:
+            dns = _forward(graphs.dense, key.rank_order, measure, skew)
         n_dense = dense_layers_among(L, "whole") if dns is not None else 0
         win = None
         if graphs.windowed is not None:
-            win = _forward(graphs.windowed, key.rank_order, measure)
+            win = _forward(graphs.windowed, key.rank_order, measure, skew)
         n_win = windowed_layers_among(L, "whole") if win is not None else 0
         boundary = graphs.boundary.local_bytes
         hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
@@ -484,6 +490,7 @@ class _Measure:
         self.mla = key.graph.mla
         self.kv_bytes = sp.Integer(key.kv_bytes)
         self.routing = sp.Integer(MOE_ROUTINGS.index(key.moe_routing))
+        self.skew = ROUTING_SKEW[key.moe_routing]
         self.fused: dict[str, sp.Expr] = {}
 
     def start(self, ops) -> None:
@@ -505,7 +512,7 @@ class _Measure:
         # the group's tokens: the GPU's token slots are top_k x capacity x group tokens / ep
         tokens = _local(w, 0) * _local(x, 1) * moe_ep / (S.top_k * S.capacity_factor)
         clock = S.sustained_clock
-        roofline = _sum(_compute_time(op) for op in block.values()) * clock
+        roofline = _sum(_compute_time(op, skew=self.skew) for op in block.values()) * clock
         shape = (tokens, hidden, width, S.top_k, experts, moe_tp, moe_ep, w.dtype_bytes)
         kernel = Kernel("moe", (*shape, S.gemm_bytes, self.routing), roofline)
         self.fused.update({name: sp.Integer(0) for name in block})

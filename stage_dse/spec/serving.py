@@ -54,6 +54,7 @@ from stage_dse.spec.training import DType, TrainingSpec
 __all__ = [
     "FP4_ALIAS",
     "MOE_ROUTINGS",
+    "ROUTING_SKEW",
     "ServingSpec",
     "replicated_kv_heads",
     "serving_plan",
@@ -147,6 +148,17 @@ MOE_ROUTINGS = ("balanced", "power_law_1.01", "power_law_1.2")
 """Token spreads over experts that measured MoE kernels are collected under
 (:mod:`stage_dse.kernels.tables`): even, or expert loads following a power law of exponent
 1.01 or 1.2."""
+
+ROUTING_SKEW = {"balanced": 0.0, "power_law_1.01": 0.238, "power_law_1.2": 0.379}
+"""How much more routed work the busiest expert-parallel rank gets under each spread: its
+rows are ``1 + a ln(ep)`` times the mean (the largest of ``ep`` rank loads whose tail falls
+off exponentially grows with ``ln ep``; 0 on one GPU, where the grouped GEMM runs every
+expert's rows in one launch). ``a`` is fitted to the busiest rank's cost in NVIDIA
+AIConfigurator's measured fused-MoE tables (aiconfigurator-core 0.12.0, TensorRT-LLM
+collections on A100 to GB300, every expert format): the time under each power law over the
+balanced time of the same layout, 12,544 layouts with ep 2-256 and at least 256 routed rows
+per expert (compute-bound), in log space: 0.238 and 0.379 (mean |ln error| 0.52 -> 0.24 and
+0.70 -> 0.28)."""
 
 FP4_ALIAS = DType.NVFP4
 """What ``fp4`` means: NVFP4, the format of NVIDIA's FP4 checkpoints (ModelOpt, TensorRT-LLM)."""
