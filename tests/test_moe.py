@@ -343,6 +343,36 @@ def test_uneven_routing_times_the_busiest_expert_parallel_rank(ep):
     assert ratio > 1 + 0.8 * (load - 1)
 
 
+@pytest.mark.parametrize("ep", [2, 8])
+def test_all_to_all_dispatch_never_moves_more_than_an_all_gather(ep):
+    """An all-gather sends each token to every other rank; a rank-deduplicated all-to-all to
+    the ranks holding its top-8 experts only: at ep 2 nearly every token has an expert on the
+    other rank (1 - 2^-8 of them), at ep 8 about 66% of the ranks are hit."""
+    from stage_dse.runner.serving import serving_row
+    from stage_dse.spec.serving import ServingSpec
+
+    model = load_model("qwen3_235b_a22b")
+    hw = load_hardware("h200")
+
+    def step(dispatch):
+        serving = ServingSpec(
+            prompt_len=1024, output_tokens=2, batch_size=64, weights_dtype="fp8",
+            moe_dispatch=dispatch,
+        )  # fmt: skip
+        row, key = serving_row(model, serving, hw, load_cluster("dgx_h100"), 1, 1, ep)
+        return evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+
+    gather, a2a = step("allgather"), step("alltoall")
+    for out in ("serve_tpot_s", "serve_ttft_s"):
+        assert a2a[out] <= gather[out]
+        if ep == 2:
+            assert a2a[out] == pytest.approx(gather[out], rel=1e-2)
+    if ep == 8:
+        assert a2a["serve_tpot_s"] < gather["serve_tpot_s"]
+    with pytest.raises(ConfigError, match="moe_dispatch"):
+        ServingSpec(prompt_len=8, moe_dispatch="broadcast")
+
+
 def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both():
     """ep_over_tp: the expert group is tp ranks of ep/tp data-parallel replicas, so ep may
     exceed dp; each GPU holds experts / ep experts (not experts / (ep/tp) replicated over TP),

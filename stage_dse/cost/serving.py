@@ -43,24 +43,16 @@ import sympy as sp
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
 from stage_dse.cost.expr import lazy_xreplace
 from stage_dse.cost.kernel_time import MOE_FUSED
-from stage_dse.cost.network import domain_collective_time, group_tiers
-from stage_dse.cost.recompute import is_linear
-from stage_dse.cost.time import (
-    Kernel,
-    _compute_time,
-    _gemm_time,
-    _local,
-    _other_time,
-    collective_time,
-    gemm_mnk,
-)
+from stage_dse.cost.network import node_dedup_share
+from stage_dse.cost.serving_kernels import Measure, PassKernels
+from stage_dse.cost.time import Kernel, _compute_time, collective_time
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, OpKind, Phase, Region, Role
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
-from stage_dse.graph.symbols import S
+from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import GraphKey, build_serving_graphs, graph_key
 from stage_dse.spec import MeshAxis, ModelSpec, ParallelPlan
-from stage_dse.spec.serving import MOE_ROUTINGS, ROUTING_SKEW, ServingSpec, validate_serving
+from stage_dse.spec.serving import ROUTING_SKEW, ServingSpec, validate_serving
 
 __all__ = [
     "ServingKey",
@@ -81,6 +73,9 @@ class ServingKey:
     """How tokens spread over experts (:data:`~stage_dse.spec.serving.MOE_ROUTINGS`): the
     measured MoE kernels' tables, the roofline's busiest expert-parallel rank
     (:data:`~stage_dse.spec.serving.ROUTING_SKEW`)."""
+    moe_dispatch: str = "allgather"
+    """How expert-parallel ranks exchange tokens (:data:`~stage_dse.spec.serving.MOE_DISPATCHES`,
+    :func:`_sent_bytes`)."""
 
 
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
@@ -90,7 +85,7 @@ def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> S
     if serving.experts_dtype is not serving.weights_dtype:  # experts in their own format
         graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
     routing = serving.moe_routing if model.is_moe else "balanced"
-    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing)
+    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing, serving.moe_dispatch)
 
 
 def _sum(items) -> sp.Expr:
@@ -132,8 +127,23 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
+def _sent_bytes(op, dispatch: str) -> sp.Expr:
+    """Bytes per GPU a collective of a serving pass moves. The graph's expert-parallel
+    all-to-all carries ``top_k`` token-expert rows per token; engines move tokens instead
+    (:data:`~stage_dse.spec.serving.MOE_DISPATCHES`): ``allgather`` sends every token to each
+    of the other ranks once and reduce-scatters the outputs (``ep / top_k`` of the graph's
+    bytes), ``alltoall`` sends a token once to each rank holding any of its experts (the
+    rank-deduplicated share, :func:`node_dedup_share` over the group's ranks)."""
+    if op.coll is not CollKind.ALL_TO_ALL or MeshAxis.EP not in op.group:
+        return op.comm_bytes
+    ranks = sp.Mul(*[DEGREE[axis] for axis in op.group])
+    if dispatch == "allgather":
+        return op.comm_bytes * ranks / S.top_k
+    return op.comm_bytes * node_dedup_share(S.top_k, ranks)
+
+
 def _forward(
-    graph: Graph, order, measure: _Measure | None = None, skew: float = 0.0
+    graph: Graph, order, measure: Measure | None = None, skew: float = 0.0, dispatch: str = ""
 ) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     if measure is not None:
@@ -141,8 +151,9 @@ def _forward(
     compute, comm, mem, flops, attention, experts = [], [], [], [], [], []
     for op in ops:
         if op.is_comm:
-            t = collective_time(op.coll, op.group, op.comm_bytes, order)
-            comm.append(measure.collective(op, order, t) if measure is not None else t)
+            size = _sent_bytes(op, dispatch)
+            t = collective_time(op.coll, op.group, size, order)
+            comm.append(measure.collective(op, order, t, size) if measure is not None else t)
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
             t = _compute_time(op, skew=skew) if measure is None else measure.compute(op)
             (attention if op.region is Region.ATTENTION_CORE else compute).append(t)
@@ -187,50 +198,36 @@ def measured_serving_program(
     key: ServingKey,
 ) -> tuple[dict[str, sp.Expr], tuple[tuple[str, Kernel, sp.Symbol], ...]]:
     """:func:`serving_program` with the kernels measured tables time (linear GEMMs, prefill
-    and decode attention, one-domain collectives: :class:`_Measure`) as input symbols, one per
+    and decode attention, one-domain collectives: :class:`Measure`) as input symbols, one per
     distinct kernel of each pass, and those kernels: ``(pass, kernel, symbol)``, the kernel's
     shape and roofline over the symbols before the pass's lengths (:data:`PASSES`) are
     substituted."""
     return _program(key, True)
 
 
-class _PassKernels:
-    """The measured kernels of both passes, each with the input symbol of its time."""
-
-    def __init__(self) -> None:
-        self.symbols: dict[tuple[str, Kernel], sp.Symbol] = {}
-
-    def time(self, mode: str, kernel: Kernel) -> sp.Symbol:
-        sym = self.symbols.get((mode, kernel))
-        if sym is None:
-            sym = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
-            self.symbols[mode, kernel] = sym
-        return sym
-
-
 @lru_cache(maxsize=128)
 def _program(key: ServingKey, measured: bool):
     L, pp = S.layers, S.pp
-    kernels = _PassKernels() if measured else None
+    kernels = PassKernels() if measured else None
     # layers on the fullest stage under the plan's split (stage_dse.spec.stages)
     per_stage = sp.Max(S.first_layers, S.last_layers, S.mid_layers)
     single = sp.Max(0, 2 - pp)
     out: dict[str, sp.Expr] = {}
     passes = {}
-    skew = ROUTING_SKEW[key.moe_routing]
+    skew, dispatch = ROUTING_SKEW[key.moe_routing], key.moe_dispatch
     for mode, subs in PASSES.items():
         graphs = build_serving_graphs(key.graph, mode, key.kv_bytes)
-        measure = _Measure(kernels, mode, key) if kernels is not None else None
-        emb = _forward(graphs.embed, key.rank_order, measure, skew)
-        blk = _forward(graphs.block, key.rank_order, measure, skew)
-        head = _forward(graphs.head, key.rank_order, measure, skew)
+        measure = Measure(kernels, mode, key) if kernels is not None else None
+        emb = _forward(graphs.embed, key.rank_order, measure, skew, dispatch)
+        blk = _forward(graphs.block, key.rank_order, measure, skew, dispatch)
+        head = _forward(graphs.head, key.rank_order, measure, skew, dispatch)
         dns = None
         if graphs.dense is not None:
-            dns = _forward(graphs.dense, key.rank_order, measure, skew)
+            dns = _forward(graphs.dense, key.rank_order, measure, skew, dispatch)
         n_dense = dense_layers_among(L, "whole") if dns is not None else 0
         win = None
         if graphs.windowed is not None:
-            win = _forward(graphs.windowed, key.rank_order, measure, skew)
+            win = _forward(graphs.windowed, key.rank_order, measure, skew, dispatch)
         n_win = windowed_layers_among(L, "whole") if win is not None else 0
         boundary = graphs.boundary.local_bytes
         hop = collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, boundary, key.rank_order)
@@ -349,7 +346,7 @@ class ServingTiming:
     ``timing``; the strings ``"roofline"`` and ``"measured"`` stand for the defaults)."""
 
     source: str = "roofline"
-    """``roofline``, or ``measured`` (the kernels of :class:`_Measure` from measured tables
+    """``roofline``, or ``measured`` (the kernels of :class:`Measure` from measured tables
     where a table reaches, :mod:`stage_dse.kernels`)."""
     measured_gpu: Mapping[str, str | None] | None = None
     """Hardware name -> its table set (None: no tables, the roofline); a name not listed
@@ -375,7 +372,7 @@ def evaluate_serving_table(
 
     ``timing="measured"`` (or a :class:`ServingTiming`) times prefill and decode GEMMs,
     prefill and decode attention and one-domain collectives from tables of measured kernels
-    (:class:`_Measure`), per the rows' ``hardware`` labels, the rest by the roofline; the
+    (:class:`Measure`), per the rows' ``hardware`` labels, the rest by the roofline; the
     outputs then include :data:`SHARES`. Every output that composes a step (TTFT, TPOT and
     their attention parts) uses the same kernel times."""
     timing = ServingTiming.of(timing)
@@ -459,145 +456,3 @@ def _evaluate_measured(key: ServingKey, x: np.ndarray, gpu: str | None, bump: fl
         ):
             share[:, col] = np.clip((b - a) / (EPS * a), 0.0, 1.0)
     return (*names, *SHARES), np.hstack([y, share])
-
-
-class _Measure:
-    """The kernels of one serving pass that measured tables time (:mod:`stage_dse.kernels`),
-    each registered as an input symbol with its shape on one GPU and its roofline seconds
-    (kept where no table reaches):
-
-    * linear GEMMs, prefill and decode alike, by their own (m, n, k): decode GEMMs at
-      ``m`` = the running batch (grouped expert GEMMs and MLA's batched absorbed projections
-      keep the roofline: :func:`_batched`);
-    * attention over the KV cache: prefill by (batch, prompt), decode by (batch, KV length),
-      per (heads, kv heads, head dim, cache bytes); DeepSeek-style latent attention on the
-      MLA tables (prefill decompressed, decode absorbed over the cached latents);
-    * all-reduce, all-gather, reduce-scatter and all-to-all inside one NVLink domain (an
-      all-reduce at the faster of NCCL's and the engine's own kernel);
-    * a mixture-of-experts layer's routed experts as the one fused kernel engines run
-      (:data:`MOE_FUSED`: routing, permutation, grouped GEMMs and activation, weighted
-      un-permutation) by the tokens of the expert-parallel group, its layout and the
-      experts' format; the router GEMM, shared experts and all-to-alls stay separate.
-
-    Kernel tables hold times at the full clock: a power-limited part runs the measured
-    kernels at its sustained clock, as in training. Norms, element-wise kernels, embeddings,
-    cache writes, the FP8 quantize kernels and pipeline sends keep the roofline."""
-
-    NCCL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-    def __init__(self, kernels: _PassKernels, mode: str, key: ServingKey) -> None:
-        self.kernels, self.mode = kernels, mode
-        self.mla = key.graph.mla
-        self.kv_bytes = sp.Integer(key.kv_bytes)
-        self.routing = sp.Integer(MOE_ROUTINGS.index(key.moe_routing))
-        self.skew = ROUTING_SKEW[key.moe_routing]
-        self.fused: dict[str, sp.Expr] = {}
-
-    def start(self, ops) -> None:
-        """Before a graph's ops: the kernels engines fuse, each timed as one, its time carried
-        by its first op and the others costing nothing apart: linear GEMMs that read the same
-        input with the same split of their outputs as one GEMM of their summed widths
-        (:meth:`_projections`), and a routed-expert block (:data:`MOE_FUSED`, all of it) as the
-        fused MoE kernel."""
-        self.fused = {}
-        self._projections(ops)
-        block = {op.name: op for op in ops if op.name in MOE_FUSED}
-        if len(block) < len(MOE_FUSED):
-            return
-        gate = block["experts.gate_proj"]
-        x, w = gate.inputs
-        experts, hidden, width = (a.extent for a in w.axes)
-        moe_ep = experts / _local(w, 0)
-        moe_tp = width / _local(w, 2)
-        # the group's tokens: the GPU's token slots are top_k x capacity x group tokens / ep
-        tokens = _local(w, 0) * _local(x, 1) * moe_ep / (S.top_k * S.capacity_factor)
-        clock = S.sustained_clock
-        roofline = _sum(_compute_time(op, skew=self.skew) for op in block.values()) * clock
-        shape = (tokens, hidden, width, S.top_k, experts, moe_tp, moe_ep, w.dtype_bytes)
-        kernel = Kernel("moe", (*shape, S.gemm_bytes, self.routing), roofline)
-        self.fused.update({name: sp.Integer(0) for name in block})
-        self.fused["experts.gate_proj"] = self._time(kernel) / clock
-
-    def _time(self, kernel: Kernel) -> sp.Symbol:
-        return self.kernels.time(self.mode, kernel)
-
-    def _projections(self, ops) -> None:
-        """Query, key and value projections of one input run as one GEMM (vLLM's and SGLang's
-        ``QKVParallelLinear``, TensorRT-LLM's fused QKV weight), gate and up projections of a
-        SwiGLU MLP likewise (``MergedColumnParallelLinear``, TensorRT-LLM's fused gate-up),
-        DeepSeek's query and latent down-projections too (SGLang's
-        ``fused_qkv_a_proj_with_mqa``): the GEMM tables' latency floor is paid once, and a
-        narrow key/value GEMM (512 columns on a rank) runs inside a wide one. Grouped: linear
-        forward GEMMs with the same input tensor, the same (m, k) and the same output split
-        (a replicated router beside tensor-parallel shared experts stays apart)."""
-        groups: dict[tuple, list] = {}
-        for op in ops:
-            if op.kind is not OpKind.EINSUM or not is_linear(op) or _batched(op):
-                continue
-            x, w = op.inputs
-            m, _, k = gemm_mnk(op)
-            groups.setdefault((x.name, m, k, w.layout[-1], w.dtype_bytes), []).append(op)
-        clock = S.sustained_clock
-        for group in groups.values():
-            if len(group) < 2:
-                continue
-            m, _, k = gemm_mnk(group[0])
-            n = _sum(gemm_mnk(op)[1] for op in group)
-            roofline = _sum(_gemm_time(op)[0] for op in group) * clock
-            kernel = Kernel("gemm", (m, n, k, S.gemm_bytes), roofline)
-            # one quantize of the shared input (an FP8 GEMM's activation operand)
-            quantize = _gemm_time(group[0])[1]
-            self.fused.update({op.name: sp.Integer(0) for op in group})
-            self.fused[group[0].name] = self._time(kernel) / clock + quantize
-
-    def compute(self, op) -> sp.Expr:
-        clock = S.sustained_clock
-        if op.name in self.fused:
-            return self.fused[op.name]
-        if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
-            gemm, quantize = _gemm_time(op)
-            kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
-            return self._time(kernel) / clock + quantize
-        if op.kind is OpKind.ATTENTION:
-            if len(op.inputs) < 3:  # DSA's index scores (no values): no table
-                return _compute_time(op)
-            if op.executed_fraction.free_symbols & {S.window, S.topk_tokens}:
-                return _compute_time(op)  # banded prefill: the tables hold full causal runs
-            return self._time(self._attention(op)) / clock
-        return _compute_time(op)
-
-    def _attention(self, op) -> Kernel:
-        q, k, v = op.inputs[:3]
-        batch, prompt, cached = _local(q, 0), _local(q, 1), _local(k, 1)
-        roofline = _other_time(op) * S.sustained_clock
-        prefill = self.mode == "prefill"
-        if self.mla:  # prefill: query/key and value head dims; decode: latent and its values
-            layout = (_local(q, 2), q.axes[-1].extent, v.axes[-1].extent, self.kv_bytes)
-            table = "context_mla" if prefill else "generation_mla"
-        else:
-            heads = sp.Mul(*[_local(q, i) for i in range(2, len(q.axes) - 1)])
-            kv = sp.Mul(*[_local(k, i) for i in range(2, len(k.axes) - 1)])
-            layout = (heads, kv, q.axes[-1].extent, self.kv_bytes)
-            table = "context_attention" if prefill else "generation_attention"
-        # the physical floor (operands at the peak HBM bandwidth): some measured points lie
-        # below it (A100's decode table), and the table is never taken below it
-        floor = op.bytes / S.hbm_bandwidth
-        return Kernel(table, (batch, prompt if prefill else cached, floor, *layout), roofline)
-
-    def collective(self, op, order, seconds: sp.Expr) -> sp.Expr:
-        if op.coll.value not in self.NCCL:
-            return seconds
-        n_in, n_out, _ = group_tiers(frozenset(op.group), order)
-        intra = domain_collective_time(op.coll, n_in, op.comm_bytes)
-        kind = "engine_all_reduce" if op.coll is CollKind.ALL_REDUCE else op.coll.value
-        return self._time(Kernel(kind, (op.comm_bytes, n_in, n_out, intra), seconds))
-
-
-def _batched(op) -> bool:
-    """An einsum with an axis all three operands have: a grouped GEMM over experts or a
-    batched one over heads (MLA's absorbed projections), one kernel whose weights differ per
-    group. The GEMM tables hold single GEMMs, whose latency floor a grouped kernel pays once,
-    not per group: these keep the roofline (which times the grouped op as one kernel)."""
-    a, b = op.inputs
-    (out,) = op.outputs
-    return bool(set(a.axes) & set(b.axes) & set(out.axes))

@@ -53,6 +53,7 @@ from stage_dse.spec.training import DType, TrainingSpec
 
 __all__ = [
     "FP4_ALIAS",
+    "MOE_DISPATCHES",
     "MOE_ROUTINGS",
     "ROUTING_SKEW",
     "ServingSpec",
@@ -80,9 +81,11 @@ class ServingSpec:
     """The routed experts' weights (mixture-of-experts models), in the same formats; None:
     ``weights_dtype``."""
     moe_routing: str = "power_law_1.01"
-    """How a mixture-of-experts model's tokens spread over its experts where measured MoE
-    kernels time them (``timing=measured``): one of :data:`MOE_ROUTINGS`. Real routers load
-    experts unevenly; the busiest expert sets a grouped kernel's time."""
+    """How a mixture-of-experts model's tokens spread over its experts: one of
+    :data:`MOE_ROUTINGS`. Real routers load experts unevenly; the busiest expert sets a
+    grouped kernel's time (the measured tables' spread, the roofline's :data:`ROUTING_SKEW`)."""
+    moe_dispatch: str = "allgather"
+    """How expert-parallel attention ranks exchange tokens: one of :data:`MOE_DISPATCHES`."""
 
     def __post_init__(self) -> None:
         owner = "serving"
@@ -94,6 +97,11 @@ class ServingSpec:
                 continue
             value = FP4_ALIAS if isinstance(value, str) and value.lower() == "fp4" else value
             object.__setattr__(self, f, coerce_enum(DType, owner, f, value))
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ConfigError(
+                f"serving.moe_dispatch={self.moe_dispatch!r} is not one of: "
+                + ", ".join(MOE_DISPATCHES)
+            )
         if self.moe_routing not in MOE_ROUTINGS:
             raise ConfigError(
                 f"serving.moe_routing={self.moe_routing!r} is not one of: "
@@ -159,6 +167,17 @@ collections on A100 to GB300, every expert format): the time under each power la
 balanced time of the same layout, 12,544 layouts with ep 2-256 and at least 256 routed rows
 per expert (compute-bound), in log space: 0.238 and 0.379 (mean |ln error| 0.52 -> 0.24 and
 0.70 -> 0.28)."""
+
+MOE_DISPATCHES = ("allgather", "alltoall")
+"""How an engine moves tokens between expert-parallel attention ranks. ``allgather``: every
+rank gathers all ranks' tokens, runs its experts on them and reduce-scatters the outputs, each
+token crossing to every other rank once; the default of engines without an all-to-all kernel
+(TensorRT-LLM's ``AllGatherReduceScatter``, its fallback where no NVLink all-to-all or DeepEP
+is available, ``tensorrt_llm/_torch/modules/fused_moe/communication/communication_factory.py``;
+vLLM's default all2all backend, ``VLLM_ALL2ALL_BACKEND=allgather_reducescatter`` in
+``vllm/envs.py``; SGLang's data-parallel attention gather).
+``alltoall``: a token goes once to each rank holding any of its experts (DeepEP's dispatch,
+TensorRT-LLM's NVLink all-to-all on multi-node NVLink)."""
 
 FP4_ALIAS = DType.NVFP4
 """What ``fp4`` means: NVFP4, the format of NVIDIA's FP4 checkpoints (ModelOpt, TensorRT-LLM)."""
