@@ -146,6 +146,24 @@ def test_attention_dp_records_split_experts_over_their_tensor_parallel_ranks():
     assert _layout({"tp": 8}) == (8, 1, 1)
 
 
+def test_a_record_s_own_reading_of_a_tool_default_yields_to_the_tool_s_rule():
+    """Limits a source states stand; limits a record derived from the tool's default
+    (listed unstated) give way to the heuristic run for the KV cache format of the row
+    (the record's derivation assumed one format); without a heuristic the record's value,
+    then the engine's default, applies."""
+    from stage_dse.config import load_engine
+    from stage_dse.validation.serving import _limits
+
+    engine = load_engine("trtllm")
+    f = {"max_batch": 128, "max_num_tokens": 2048}
+    tuned = (384.0, 4096.0)
+    assert _limits(f, engine, tuned) == (128.0, 2048.0)
+    assert _limits(f, engine, tuned, ("max_batch",)) == (384.0, 2048.0)
+    assert _limits(f, engine, tuned, ("max_batch", "max_num_tokens")) == (384.0, 4096.0)
+    assert _limits(f, engine, (np.nan, np.nan), ("max_batch",)) == (128.0, 2048.0)
+    assert _limits({}, engine) == (float(engine.max_running), float(engine.prefill_budget))
+
+
 def test_trtllm_bench_limits_follow_the_kv_cache_the_engine_leaves():
     from stage_dse.config import load_hardware, load_model
     from stage_dse.validation.serving import total_params, trtllm_bench_limits

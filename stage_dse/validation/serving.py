@@ -227,14 +227,26 @@ def case_engine(case: Case) -> EngineSpec:
     return load_engine(name) if name in list_presets("engine") else load_engine("none")
 
 
-def _limits(f: dict, engine: EngineSpec, tuned=(np.nan, np.nan)) -> tuple[float, float]:
-    """Running-request and token limits: the record's, else what the benchmark tool tuned
-    (``tuned``: :func:`trtllm_bench_limits`, NaN where it does not apply), else the engine's
-    defaults."""
+def _limits(
+    f: dict, engine: EngineSpec, tuned=(np.nan, np.nan), unstated=()
+) -> tuple[float, float]:
+    """Running-request and token limits: the record's as its source states them, else what
+    the benchmark tool tuned (``tuned``: :func:`trtllm_bench_limits` for the KV cache format
+    the row runs, NaN where it does not apply), else the record's own derivation of a default
+    (a value listed in ``unstated``), else the engine's defaults."""
     batch, tokens = (engine.max_running, engine.prefill_budget)
-    if np.isfinite(tuned[0]):
-        batch, tokens = tuned
-    return float(f.get("max_batch", batch)), float(f.get("max_num_tokens", tokens))
+    out = []
+    for name, default, own in (
+        ("max_batch", batch, tuned[0]),
+        ("max_num_tokens", tokens, tuned[1]),
+    ):
+        if name in f and name not in unstated:
+            out.append(float(f[name]))
+        elif np.isfinite(own):
+            out.append(float(own))
+        else:
+            out.append(float(f.get(name, default)))
+    return out[0], out[1]
 
 
 def total_params(model) -> float:
@@ -389,6 +401,7 @@ def evaluate_serving(
                     x,
                     case_engine(by_id[cid]),
                     (table.iloc[i]["tuned_max_batch"], table.iloc[i]["tuned_max_num_tokens"]),
+                    by_id[cid].unstated or (),
                 )
                 for x, cid, i in zip(f, cont, sel)
             ]
