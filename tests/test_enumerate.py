@@ -171,6 +171,21 @@ def test_config_hash_is_a_function_of_row_values_only():
     assert not np.any(config_hash(changed).to_numpy() == from_columns)
 
 
+def test_expert_routing_and_dispatch_are_part_of_a_serving_row_s_identity():
+    """A mixture-of-experts serving row's routing and dispatch change its hash unless they are
+    the defaults (or empty, as for dense models), which hash as rows without the columns did."""
+    m, hw = load_model("mixtral_8x7b"), load_hardware("h100_sxm")
+    cluster = load_cluster("dgx_h100").replace(num_gpus=32)
+    table = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(ep=(1, 2))).table.head(4)
+    plain = config_hash(table).to_numpy()
+    defaults = table.assign(moe_routing="power_law_1.01", moe_dispatch="allgather")
+    assert (config_hash(defaults).to_numpy() == plain).all()
+    assert (config_hash(table.assign(moe_routing="", moe_dispatch="")).to_numpy() == plain).all()
+    a2a = config_hash(defaults.assign(moe_dispatch="alltoall")).to_numpy()
+    even = config_hash(defaults.assign(moe_routing="balanced")).to_numpy()
+    assert not np.any(a2a == plain) and not np.any(even == plain) and not np.any(a2a == even)
+
+
 def test_a_space_with_no_dividing_degrees_counts_every_candidate_as_rejected():
     m, hw = load_model("llama3_8b"), load_hardware("h100_sxm")
     cluster = load_cluster("dgx_h100").replace(num_gpus=16)

@@ -66,6 +66,8 @@ OTHER_VALUE = {
     "burst": "4",
     "output_lengths": "exponential",
     "max_total_tokens": "1024",
+    "moe_routing": "balanced",
+    "moe_dispatch": "alltoall",
 }
 NEEDS = {
     "request_mix": ["serving.mode=continuous"],

@@ -94,6 +94,8 @@ def _serving_config_mode(cfg, out: str, steps: int, max_bytes: int, log=print):
         batch_size=one["batch_size"],
         kv_dtype=spec.kv_dtype,
         weights_dtype=spec.weights_dtype,
+        moe_routing=spec.moe_routing,
+        moe_dispatch=spec.moe_dispatch,
     )
     cluster = spec.cluster.replace(num_gpus=plan.num_gpus)
     phase = str(cfg.serving.phase)

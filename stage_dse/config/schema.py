@@ -239,6 +239,12 @@ class ServingConf:
     output_tokens: int = 256
     kv_dtype: str = "bf16"
     weights_dtype: str = "bf16"
+    moe_routing: str = "power_law_1.01"
+    """Mixture-of-experts models: how tokens spread over experts (balanced, power_law_1.01,
+    power_law_1.2); the busiest expert-parallel rank sets each layer's expert time."""
+    moe_dispatch: str = "allgather"
+    """Mixture-of-experts models: how expert-parallel ranks exchange tokens (allgather: every
+    token to every rank, engines' default; alltoall: to the ranks holding its experts, DeepEP)."""
     hardware: list[str] = field(default_factory=list)
     """Hardware presets to compare (default: the hardware group)."""
     phase: str = "decode"
@@ -490,6 +496,8 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
         output_tokens=sv["output_tokens"],
         kv_dtype=sv["kv_dtype"],
         weights_dtype=sv["weights_dtype"],
+        moe_routing=str(sv.get("moe_routing", "power_law_1.01")),
+        moe_dispatch=str(sv.get("moe_dispatch", "allgather")),
         mode=mode,
         prefill_budgets=tuple(budgets),
         arrival_rate=float(sv["arrival_rate"]),

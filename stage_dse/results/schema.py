@@ -89,6 +89,10 @@ _fields = [
     pa.field("burst", pa.float64()),
     pa.field("output_lengths", LABEL),
     pa.field("max_total_tokens", pa.float64()),
+    pa.field("moe_routing", LABEL),
+    pa.field("moe_dispatch", LABEL),
+    # serving mixture-of-experts models: the experts' spread of tokens and how expert-parallel
+    # ranks exchange them (stage_dse.spec.serving; empty for dense models and training)
     pa.field("weight_only", pa.bool_()),
     # serving: some weights only stored in their format, the GEMMs 16-bit (W4A16 on GPUs
     # without FP4 tensor cores; stage_dse.spec.serving.weight_only)
@@ -227,6 +231,19 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                 extra = _mix(h ^ _hash_input(pd.Series(spread), True))
                 extra = _mix(extra ^ (cap + np.uint64(11) * _GOLDEN))
                 h = np.where(changed, extra, h)
+        # a mixture-of-experts serving row's routing and dispatch (absent, empty or the
+        # defaults: the hashes rows had before they were options)
+        for i, (c, default) in enumerate(
+            (("moe_routing", "power_law_1.01"), ("moe_dispatch", "allgather"))
+        ):
+            if c in source:
+                text = pd.Series(source[c]).fillna("").astype(str).to_numpy()
+                changed = (text != "") & (text != default)
+                if np.any(changed):
+                    extra = _mix(
+                        h ^ (_hash_input(pd.Series(text), True) + np.uint64(i + 13) * _GOLDEN)
+                    )
+                    h = np.where(changed, extra, h)
         # measured timing makes other results of the same configuration; roofline rows keep
         # the hashes they always had
         if "timing" in source:

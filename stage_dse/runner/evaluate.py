@@ -269,7 +269,8 @@ def rows_table(
             arrays.append(_dictionary(zeros, [__version__]))
         elif name in SERVING_OUTPUTS:
             arrays.append(pa.nulls(n, pa.float64()))
-        elif name in ("serving_mode", "request_mix", "engine", "weight_only", "output_lengths"):
+        elif name in ("serving_mode", "request_mix", "engine", "weight_only", "output_lengths",
+                      "moe_routing", "moe_dispatch"):  # fmt: skip
             arrays.append(pa.nulls(n, field.type))
         elif name in ("prefill_budget", "arrival_rate", "draft_tokens", "acceptance", "clients",
                       "burst", "max_total_tokens"):  # fmt: skip

@@ -199,6 +199,8 @@ def recommend(
     weights_dtype: str = "bf16",
     kv_dtype: str = "bf16",
     expert_weights_dtype: str | None = None,
+    moe_routing: str = "power_law_1.01",
+    moe_dispatch: str = "allgather",
     max_running: int | None = None,
     prefill_budgets: Sequence[int] = BUDGETS,
     engine: EngineSpec | None = None,
@@ -247,6 +249,8 @@ def recommend(
         weights_dtype=weights_dtype,
         kv_dtype=kv_dtype,
         expert_weights_dtype=expert_weights_dtype,
+        moe_routing=moe_routing,
+        moe_dispatch=moe_dispatch,
     )
     target = float(target_requests_per_s)
     pre_hw = prefill_hardware or hardware

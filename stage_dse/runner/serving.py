@@ -131,6 +131,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 batch_size=batch,
                 kv_dtype=spec.kv_dtype,
                 weights_dtype=spec.weights_dtype,
+                moe_routing=spec.moe_routing,
+                moe_dispatch=spec.moe_dispatch,
             )
             row, key = serving_row(model, serving, hw, spec.cluster, tp, pp, ep)
         except ConfigError as exc:
@@ -151,6 +153,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "burst": float(spec.burst) if continuous else np.nan,
                 "output_lengths": spec.output_lengths if continuous else "",
                 "max_total_tokens": float(spec.max_total_tokens) if continuous else np.nan,
+                "moe_routing": spec.moe_routing if model.is_moe else "",
+                "moe_dispatch": spec.moe_dispatch if model.is_moe else "",
             }
         )
         rows.append(row)
@@ -198,6 +202,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "output_lengths",
                 "max_total_tokens",
                 "weight_only",
+                "moe_routing",
+                "moe_dispatch",
             ):
                 out[col] = table[col].to_numpy()
             if continuous:

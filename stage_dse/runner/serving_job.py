@@ -122,7 +122,8 @@ def check_serving_job(job: ServingJob) -> None:
         spec = job.sweep
         ServingSpec(
             prompt_len=spec.prompt_lens[0], weights_dtype=spec.weights_dtype,
-            kv_dtype=spec.kv_dtype,
+            kv_dtype=spec.kv_dtype, moe_routing=spec.moe_routing,
+            moe_dispatch=spec.moe_dispatch,
         )  # fmt: skip
 
 
@@ -218,6 +219,8 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
             eps=tuple(spec.ep),
             weights_dtype=spec.weights_dtype,
             kv_dtype=spec.kv_dtype,
+            moe_routing=spec.moe_routing,
+            moe_dispatch=spec.moe_dispatch,
             max_running=job.max_running,
             engine=spec.engine,
             prefill_hardware=job.prefill_hardware,

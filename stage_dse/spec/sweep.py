@@ -216,6 +216,10 @@ class ServingSweepSpec:
     output_tokens: int = 256
     kv_dtype: str = "bf16"
     weights_dtype: str = "bf16"
+    moe_routing: str = "power_law_1.01"
+    """Mixture-of-experts models: ``ServingSpec.moe_routing``."""
+    moe_dispatch: str = "allgather"
+    """Mixture-of-experts models: ``ServingSpec.moe_dispatch``."""
     mode: str = "static"
     """``static`` (a batch prefilled, then decoded together) or ``continuous`` (iteration-level
     batching with chunked prefill: ``batch_sizes`` are the most running requests)."""
