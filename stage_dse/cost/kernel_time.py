@@ -109,7 +109,8 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.
     """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds. A
     grouped expert GEMM runs only its touched experts (:func:`touched_experts`): their
     weights are read, their tiles hold the tokens of the touched experts; under uneven
-    routing (``skew``) its flops are the busiest rank's (:func:`busiest_rank_load`)."""
+    routing (``skew``) its flops and rows per expert are the busiest rank's
+    (:func:`busiest_rank_load`)."""
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     tokens, width = _token_and_weight_dims(op)
@@ -119,6 +120,10 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.
         stream = (op.bytes - saved_bytes - (1 - touched) * weights) / bandwidth
         # forward: the token dimension over the touched experts only
         tokens = tokens / touched if op.phase is Phase.FORWARD else tokens
+    # the busiest expert-parallel rank's rows: more flops, fuller tiles (a tile holds up to
+    # gemm_half_dim-scale rows, so a few extra rows in a half-empty tile cost little)
+    load = busiest_rank_load(op, skew)
+    tokens = tokens * load
     d = _min(tokens, width)
     shape = d / (d + S.gemm_half_dim)
     eff = S.gemm_efficiency * shape
@@ -138,7 +143,7 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.
             streamed = (2 + S.gemm_bytes) * numel
             kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
             quantize = (1 - w16) * kernel
-    flops = op.flops * busiest_rank_load(op, skew)
+    flops = op.flops * load
     gemm = _max(flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
     gemm = gemm + S.kernel_launch_s
     return gemm, quantize
