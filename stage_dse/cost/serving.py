@@ -75,7 +75,7 @@ class ServingKey:
     (:data:`~stage_dse.spec.serving.ROUTING_SKEW`)."""
     moe_dispatch: str = "allgather"
     """How expert-parallel ranks exchange tokens (:data:`~stage_dse.spec.serving.MOE_DISPATCHES`,
-    :func:`_sent_bytes`)."""
+    :func:`_exchange`)."""
 
 
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
@@ -127,19 +127,22 @@ def _peak(terms: tuple[sp.Expr, ...], subs: dict) -> sp.Expr:
     return sp.Max(*terms, evaluate=False) if len(terms) > 1 else _sum(terms)
 
 
-def _sent_bytes(op, dispatch: str) -> sp.Expr:
-    """Bytes per GPU a collective of a serving pass moves. The graph's expert-parallel
-    all-to-all carries ``top_k`` token-expert rows per token; engines move tokens instead
-    (:data:`~stage_dse.spec.serving.MOE_DISPATCHES`): ``allgather`` sends every token to each
-    of the other ranks once and reduce-scatters the outputs (``ep / top_k`` of the graph's
-    bytes), ``alltoall`` sends a token once to each rank holding any of its experts (the
-    rank-deduplicated share, :func:`node_dedup_share` over the group's ranks)."""
+def _exchange(op, dispatch: str) -> tuple[CollKind, sp.Expr]:
+    """The collective a serving pass runs for ``op`` and its bytes per GPU. The graph's
+    expert-parallel all-to-alls carry ``top_k`` token-expert rows per token; engines move
+    tokens instead (:data:`~stage_dse.spec.serving.MOE_DISPATCHES`): ``allgather`` gathers
+    every token on every rank (the dispatch) and reduce-scatters the experts' outputs (the
+    combine), ``ep / top_k`` of the graph's bytes each; ``alltoall`` sends a token once to each
+    rank holding any of its experts (the rank-deduplicated share, :func:`node_dedup_share`
+    over the group's ranks)."""
     if op.coll is not CollKind.ALL_TO_ALL or MeshAxis.EP not in op.group:
-        return op.comm_bytes
+        return op.coll, op.comm_bytes
     ranks = sp.Mul(*[DEGREE[axis] for axis in op.group])
     if dispatch == "allgather":
-        return op.comm_bytes * ranks / S.top_k
-    return op.comm_bytes * node_dedup_share(S.top_k, ranks)
+        dispatching = any(t.name == "moe_dispatch" for t in op.inputs)
+        kind = CollKind.ALL_GATHER if dispatching else CollKind.REDUCE_SCATTER
+        return kind, op.comm_bytes * ranks / S.top_k
+    return op.coll, op.comm_bytes * node_dedup_share(S.top_k, ranks)
 
 
 def _forward(
@@ -151,9 +154,9 @@ def _forward(
     compute, comm, mem, flops, attention, experts = [], [], [], [], [], []
     for op in ops:
         if op.is_comm:
-            size = _sent_bytes(op, dispatch)
-            t = collective_time(op.coll, op.group, size, order)
-            comm.append(measure.collective(op, order, t, size) if measure is not None else t)
+            kind, size = _exchange(op, dispatch)
+            t = collective_time(kind, op.group, size, order)
+            comm.append(measure.collective(op, order, t, kind, size) if measure else t)
         elif op.kind not in (OpKind.VIEW, OpKind.COLLECTIVE):
             t = _compute_time(op, skew=skew) if measure is None else measure.compute(op)
             (attention if op.region is Region.ATTENTION_CORE else compute).append(t)

@@ -164,13 +164,14 @@ class Measure:
         floor = op.bytes / S.hbm_bandwidth
         return Kernel(table, (batch, prompt if prefill else cached, floor, *layout), roofline)
 
-    def collective(self, op, order, seconds: sp.Expr, size: sp.Expr) -> sp.Expr:
-        """A collective of ``size`` bytes per GPU (:func:`_sent_bytes`)."""
-        if op.coll.value not in self.NCCL:
+    def collective(self, op, order, seconds: sp.Expr, coll: CollKind, size: sp.Expr) -> sp.Expr:
+        """``op`` run as the collective ``coll`` of ``size`` bytes per GPU (the exchange an
+        engine runs for it: :func:`stage_dse.cost.serving._exchange`)."""
+        if coll.value not in self.NCCL:
             return seconds
         n_in, n_out, _ = group_tiers(frozenset(op.group), order)
-        intra = domain_collective_time(op.coll, n_in, size)
-        kind = "engine_all_reduce" if op.coll is CollKind.ALL_REDUCE else op.coll.value
+        intra = domain_collective_time(coll, n_in, size)
+        kind = "engine_all_reduce" if coll is CollKind.ALL_REDUCE else coll.value
         return self._time(Kernel(kind, (size, n_in, n_out, intra), seconds))
 
 
