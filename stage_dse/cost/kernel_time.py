@@ -91,7 +91,8 @@ def touched_experts(op: Op) -> sp.Expr | None:
 def busiest_rank_load(op: Op, skew: float) -> sp.Expr:
     """The routed rows of the busiest expert-parallel rank over the mean, ``1 + skew ln(ep)``
     (:data:`~stage_dse.spec.serving.ROUTING_SKEW`): every rank waits for it, so a grouped
-    expert GEMM's flops count at that rank's load. 1 for other ops and for even routing."""
+    expert GEMM runs that rank's rows (its flops and its tiles' fill). 1 for other ops and for
+    even routing."""
     if skew == 0 or DIMS.experts not in set(op.axes_iter):
         return sp.Integer(1)
     ep = DIMS.experts.extent / _local_extents(op)[DIMS.experts]
