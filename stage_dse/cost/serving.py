@@ -41,7 +41,7 @@ import pandas as pd
 import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, _lambdify_symengine, _to_symengine, _wrap
-from stage_dse.cost.expr import lazy_xreplace
+from stage_dse.cost.expr import _sum, lazy_xreplace
 from stage_dse.cost.kernel_time import MOE_FUSED
 from stage_dse.cost.network import node_dedup_share
 from stage_dse.cost.serving_kernels import Measure, PassKernels
@@ -86,11 +86,6 @@ def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> S
         graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
     routing = serving.moe_routing if model.is_moe else "balanced"
     return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing, serving.moe_dispatch)
-
-
-def _sum(items) -> sp.Expr:
-    items = list(items)
-    return sp.Add(*items) if items else sp.Integer(0)
 
 
 def _peak_live_bytes(ops) -> tuple[sp.Expr, ...]:

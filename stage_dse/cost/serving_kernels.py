@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
+from stage_dse.cost.expr import _sum
 from stage_dse.cost.kernel_time import MOE_FUSED
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
@@ -20,11 +21,6 @@ if TYPE_CHECKING:
     from stage_dse.cost.serving import ServingKey
 
 __all__ = ["Measure", "PassKernels"]
-
-
-def _sum(items) -> sp.Expr:
-    items = list(items)
-    return sp.Add(*items) if items else sp.Integer(0)
 
 
 class PassKernels:
