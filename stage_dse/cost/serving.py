@@ -141,7 +141,11 @@ def _exchange(op, dispatch: str) -> tuple[CollKind, sp.Expr]:
 
 
 def _forward(
-    graph: Graph, order, measure: Measure | None = None, skew: float = 0.0, dispatch: str = ""
+    graph: Graph,
+    order,
+    measure: Measure | None = None,
+    skew: float = 0.0,
+    dispatch: str = "allgather",
 ) -> dict[str, sp.Expr]:
     ops = [op for op in graph.ops if op.phase is Phase.FORWARD]
     if measure is not None:
