@@ -84,8 +84,11 @@ def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> S
     graph = graph_key(model, plan, like)
     if serving.experts_dtype is not serving.weights_dtype:  # experts in their own format
         graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
-    routing = serving.moe_routing if model.is_moe else "balanced"
-    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing, serving.moe_dispatch)
+    # a dense model's program does not depend on how experts are loaded or reached: one key
+    routing, dispatch = (
+        (serving.moe_routing, serving.moe_dispatch) if model.is_moe else ("balanced", "allgather")
+    )
+    return ServingKey(graph, serving.kv_dtype.bytes, plan.rank_order, routing, dispatch)
 
 
 def _peak_live_bytes(ops) -> tuple[sp.Expr, ...]:
