@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sympy
 
 from stage_dse.cli._common import compose
 from stage_dse.config import load_cluster, load_framework, load_hardware, load_model
@@ -220,3 +221,73 @@ def test_zero2_gradients_reduced_once_per_step_hold_full_gradient_memory():
     for zero in (0, 1, 3):  # no effect beyond ZeRO-2
         a, b = run(zero, False), run(zero, True)
         assert a["step_s"] == b["step_s"] and a["mem_total_bytes"] == b["mem_total_bytes"]
+
+
+def test_eager_element_wise_ops_move_the_bytes_of_their_reference_code():
+    """Without torch.compile, torchtitan's RMSNorm runs as 8 kernels moving 36 bytes per
+    element in forward (4 fused) and 12 moving 84 in backward (6 fused); rotary embedding 20
+    bytes in 3 kernels each way (4 fused); SwiGLU 10 and 18 bytes (6 and 10 fused)."""
+    from stage_dse.graph import build_graphs
+    from stage_dse.spec import ParallelPlan
+
+    model, t = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+    ops = {}
+    for fused in (True, False):
+        plan = ParallelPlan(dp=8, micro_batch_size=1, fused_elementwise=fused)
+        ops[fused] = {op.name: op for op in build_graphs(model, plan, t).block.ops}
+    for name, factor, kernels in (
+        ("input_norm", 9, 8),
+        ("d_input_norm", 14, 12),
+        ("q_rope", 5, 3),
+        ("d_k_rope", 5, 3),
+        ("swiglu", sympy.Rational(10, 6), 2),
+        ("d_swiglu", sympy.Rational(18, 10), 3),
+        ("attention_residual", 1, 1),  # one kernel either way
+    ):
+        fused, eager = ops[True][name], ops[False][name]
+        assert sympy.simplify(eager.bytes - factor * fused.bytes) == 0, name
+        assert (fused.kernels, eager.kernels) == (1, kernels), name
+
+
+def test_eager_element_wise_ops_slow_a_step_and_keep_fused_rows_hashes():
+    from stage_dse.cost.bind import evaluate_plan
+    from stage_dse.spec import ParallelPlan
+
+    t = TrainingSpec(seq_len=4096, global_batch_size=64)
+    hw, cl = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=8)
+    for name in ("llama3_8b", "gpt3_175b"):
+        steps = [
+            evaluate_plan(
+                load_model(name),
+                t,
+                ParallelPlan(tp=8, sequence_parallel=True, fused_elementwise=fused),
+                hardware=hw,
+                cluster=cl,
+            )["step_s"]
+            for fused in (True, False)
+        ]
+        # nothing fuses eagerly; Llama's RMSNorm, rotary and SwiGLU add most
+        assert steps[1] > steps[0] * (1.05 if name == "llama3_8b" else 1.0)
+    table = _table((load_framework("torchtitan_fsdp2"),))
+    before = config_hash(table.drop(columns="fused_elementwise"))
+    assert list(config_hash(table)) == list(before)
+    eager = table.assign(fused_elementwise=False)
+    assert not set(config_hash(eager)) & set(before)
+
+
+def test_torchtitan_records_without_torch_compile_run_element_wise_ops_eagerly():
+    from stage_dse.validation.corpus import load_corpus
+    from stage_dse.validation.training import training_setup
+
+    cases = {c.id: c for c in load_corpus("training")}
+    plan = {
+        name: training_setup(cases[name]).plans[0]
+        for name in (
+            "torchtitan_llama31_8b_8gpu_fsdp",  # torch_compile: false
+            "torchtitan_llama31_8b_8gpu_fsdp_compile",
+            "mbridge25_11_llama3_8b_h100_8gpu_fp8-cs_tp1_pp1_cp1_fsdp",  # TE's fused kernels
+        )
+    }
+    assert [p.fused_elementwise for p in plan.values()] == [False, True, True]
+    assert load_framework("torchtitan_fsdp2").compile_fuses_elementwise
+    assert not load_framework("megatron_core").compile_fuses_elementwise

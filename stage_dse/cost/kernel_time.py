@@ -163,7 +163,8 @@ def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     if op.kind in (*ELEMENTWISE_KINDS, OpKind.OPTIMIZER):
         if saved_bytes != 0:  # fused into its consumer
             return stream
-        return _max(stream, S.elementwise_floor_s) + S.kernel_launch_s
+        # an op run eagerly launches several kernels (stage_dse.graph.eager)
+        return _max(stream, op.kernels * S.elementwise_floor_s) + op.kernels * S.kernel_launch_s
     return sp.Integer(0)
 
 
@@ -171,10 +172,13 @@ def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
     """HBM bytes each element-wise op does not move because it runs fused with its consumer.
 
     An element-wise output consumed by exactly one element-wise op and not kept for backward
-    stays in registers: neither written nor read back (forward and backward alike).
+    stays in registers: neither written nor read back (forward and backward alike). Eager
+    PyTorch fuses nothing.
     """
     fusible = (OpKind.ELEMENTWISE, OpKind.BIAS)
     out: dict[Op, sp.Expr] = {}
+    if not graph.fused_elementwise:
+        return out
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         ops = [op for op in graph.ops if op.phase is phase]
         consumers: dict[object, list[Op]] = defaultdict(list)

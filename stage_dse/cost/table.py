@@ -87,6 +87,7 @@ PLAN_KEY_COLUMNS = (
     "zero_sync_per_tensor",
     "grad_sync_per_step",
     "ep_dispatch_dedup",
+    "fused_elementwise",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -101,6 +102,7 @@ def key_from_values(v: dict) -> CostKey:
     optional = dict.fromkeys(
         ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup"), False
     )
+    optional["fused_elementwise"] = True
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
 
 
@@ -129,6 +131,7 @@ def _key_of(values: tuple) -> CostKey:
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
+        fused_elementwise=bool(v["fused_elementwise"]),
     )
     return CostKey(
         graph=graph,
@@ -216,6 +219,7 @@ def config_row(
             "zero_sync_per_tensor": plan.zero_sync_per_tensor,
             "grad_sync_per_step": plan.grad_sync_per_step,
             "ep_dispatch_dedup": plan.ep_dispatch_dedup,
+            "fused_elementwise": plan.fused_elementwise,
         }
     )
     return row

@@ -45,6 +45,8 @@ class Graph(ForwardOps):
         self.grads: dict[Tensor, Tensor] = {}
         """Gradient of each forward tensor after :meth:`derive_backward` (may be partial)."""
         self.input_grad: dict[Tensor, Tensor] = {}
+        self.fused_elementwise = True
+        """Element-wise ops run fused (off: eagerly, :func:`stage_dse.graph.eager.run_eagerly`)."""
 
     def weight(
         self,

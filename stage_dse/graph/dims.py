@@ -101,6 +101,9 @@ class GraphKey:
     expert_param_bytes: float = 0
     """Serving: bytes per routed-expert weight value when the experts have their own format
     (gpt-oss: MXFP4 experts, the rest bf16); 0: ``param_bytes``."""
+    fused_elementwise: bool = True
+    """Element-wise ops run as fused kernels; off, as eager PyTorch runs its reference code
+    (:mod:`stage_dse.graph.eager`)."""
 
     def __post_init__(self) -> None:
         if self.grad_sync_per_step and self.zero_stage != 2:  # one family per structure
@@ -130,4 +133,5 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,
+        fused_elementwise=plan.fused_elementwise,
     )

@@ -227,6 +227,9 @@ class Op:
     recompute: bool = False
     """Work that exists only because a value was not kept (counts in HFU, not MFU)."""
     elementwise: Elementwise | None = None
+    kernels: int = 1
+    """Kernels the op launches (an element-wise op run eagerly, :mod:`stage_dse.graph.eager`,
+    launches one per op of its reference implementation)."""
     matmul: bool = False
     """Counts as model flops (einsum / attention)."""
     executed_fraction: sp.Expr = sp.Integer(1)

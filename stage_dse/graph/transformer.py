@@ -20,6 +20,7 @@ import sympy as sp
 
 from stage_dse.graph.core import Graph
 from stage_dse.graph.dims import DIMS, GraphKey, graph_key
+from stage_dse.graph.eager import run_eagerly
 from stage_dse.graph.ir import (
     ADD,
     DROPOUT,
@@ -532,6 +533,11 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
         windowed = _Builder(key, mode, kv_bytes).block(windowed=True)
     head, tied = _Builder(key, mode, kv_bytes).head()
     assert block.block_input is not None
+    if not key.fused_elementwise:
+        for g in (embed, block, head, dense, windowed):
+            if g is not None:
+                run_eagerly(g.ops)
+                g.fused_elementwise = False
     return ModelGraphs(
         key=key,
         embed=embed,

@@ -53,7 +53,7 @@ BOOL_CONFIG = {
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
-    "ep_dispatch_dedup",
+    "ep_dispatch_dedup", "fused_elementwise",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers",)
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""
@@ -149,9 +149,11 @@ PLAN_CONFIG = {
     "num_gpus", "micro_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", *PLAN_KEY_COLUMNS,
     *PLAN_LABEL_COLUMNS, *STAGE_SYMBOLS,
 }  # fmt: skip
+_HASHED_APART = ("fused_elementwise",)
+"""Config columns hashed only where they differ from the default (older rows keep their hashes)."""
 HASH_ORDER: tuple[str, ...] = (
-    *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG),
-    *(c for c in CONFIG_COLUMNS if c in PLAN_CONFIG),
+    *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG and c not in _HASHED_APART),
+    *(c for c in CONFIG_COLUMNS if c in PLAN_CONFIG and c not in _HASHED_APART),
 )
 """The order in which columns enter the hash: what a sweep holds fixed (model, step, hardware)
 first, the plan last, so a block of plans hashes its shared prefix once."""
@@ -180,6 +182,11 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         for i, c in enumerate(HASH_ORDER):
             v = _hash_input(source[c], c in STRING_CONFIG)
             h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
+        # element-wise ops run eagerly (absent or fused: the hashes rows had before)
+        if "fused_elementwise" in source:
+            eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
+            if np.any(eager):
+                h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)

@@ -32,6 +32,7 @@ PLAN_FLAGS = (
     "zero_sync_per_tensor",
     "grad_sync_per_step",
     "ep_dispatch_dedup",
+    "fused_elementwise",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
 
@@ -60,6 +61,13 @@ class FrameworkSpec:
     """Expert-parallel dispatch sends a token once to each node that holds one of its experts
     and forwards it over NVLink; combine sums inside the node first (DeepEP); off, every
     (token, expert) copy crosses the network (NCCL all-to-all)."""
+    fused_elementwise: bool = True
+    """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
+    kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""
+    compile_fuses_elementwise: bool = False
+    """The framework's element-wise kernels come from ``torch.compile`` (torchtitan compiles each
+    transformer block when ``training.compile`` is set): a run without it executes them
+    eagerly. False for frameworks with hand-fused kernels, which fuse with or without it."""
     grad_sync_per_step: bool = False
     """ZeRO-2 gradients accumulate unsharded over a step's micro-batches and are
     reduce-scattered once (PyTorch FSDP's ``no_sync`` / FSDP2's
@@ -73,7 +81,7 @@ class FrameworkSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"framework.name must be a non-empty text, got {self.name!r}")
-        for flag in PLAN_FLAGS:
+        for flag in (*PLAN_FLAGS, "compile_fuses_elementwise"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(
                     f"framework.{flag} must be true or false, got {getattr(self, flag)!r}"

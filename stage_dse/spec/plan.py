@@ -157,6 +157,11 @@ class ParallelPlan:
     trainer, which accumulates fp32 gradients over micro-batches, "The Llama 3 Herd of Models"
     sec. 3.3.2); off, each micro-batch reduce-scatters them (DeepSpeed ZeRO-2). Other stages
     are unaffected (ZeRO-3 reduce-scatters in every backward)."""
+    fused_elementwise: bool = True
+    """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
+    (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its
+    reference code, one kernel per op and each reading and writing device memory
+    (:mod:`stage_dse.graph.eager`: torchtitan without ``training.compile``)."""
 
     def __post_init__(self) -> None:
         owner = "plan"
@@ -176,6 +181,7 @@ class ParallelPlan:
             "zero_sync_per_tensor",
             "grad_sync_per_step",
             "ep_dispatch_dedup",
+            "fused_elementwise",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")

@@ -112,6 +112,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         zero_sync_per_tensor=bool(row.get("zero_sync_per_tensor", False)),
         grad_sync_per_step=bool(row.get("grad_sync_per_step", False)),
         ep_dispatch_dedup=bool(row.get("ep_dispatch_dedup", False)),
+        fused_elementwise=bool(row.get("fused_elementwise", True)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),

@@ -95,6 +95,9 @@ def training_setup(case: Case) -> TrainingSetup:
         # the recipe's own switches where it states them (e.g. Megatron-Bridge's
         # overlap_moe_expert_parallel_comm), the profile's elsewhere
         framework = load_framework(f["framework"]).with_flags(**f.get("framework_flags", {}))
+        if framework.compile_fuses_elementwise and f.get("torch_compile") is not None:
+            # the run states torch.compile, which fuses this framework's element-wise ops
+            framework = framework.with_flags(fused_elementwise=f["torch_compile"])
     except ConfigError as exc:
         raise CorpusError(f"{label}: framework: {exc}") from None
     model = case_model(case)
