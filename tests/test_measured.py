@@ -298,3 +298,34 @@ def test_measured_kernels_run_at_the_in_step_share_of_their_isolated_speed():
     assert 0.5 < grown < 1
     roof = [evaluate_table(t)["time_step_s"].iloc[0] for t in at.values()]
     assert roof[0] == roof[1]
+
+
+def test_a_measured_fp8_gemm_is_the_tables_time_which_includes_its_input_quantization():
+    """The tables time TensorRT-LLM's Linear, which quantizes its bf16 input before the FP8
+    GEMM: a table hit replaces both kernels, and only the fallback adds the quantize kernel
+    to the GEMM's roofline."""
+    import sympy as sp
+
+    from stage_dse.config import load_model
+    from stage_dse.cost.recompute import is_linear
+    from stage_dse.cost.time import KernelSet, _gemm_time, _op_time
+    from stage_dse.graph import build_graphs
+    from stage_dse.graph.ir import OpKind, Phase
+    from stage_dse.graph.symbols import S
+    from stage_dse.spec import ParallelPlan, TrainingSpec
+
+    training = TrainingSpec(seq_len=4096, global_batch_size=64, gemm_dtype="fp8")
+    graphs = build_graphs(load_model("llama3_8b"), ParallelPlan(dp=8), training)
+    op = next(
+        o
+        for o in graphs.block.ops
+        if o.kind is OpKind.EINSUM and is_linear(o) and o.phase is Phase.FORWARD
+    )
+    kernels = KernelSet()
+    seconds = _op_time(op, sp.Integer(0), kernels)
+    ((kernel, symbol),) = kernels.symbols.items()
+    clock = S.sustained_clock * S.measured_efficiency
+    assert sp.simplify(seconds - symbol / clock) == 0
+    gemm, quantize = _gemm_time(op)
+    assert quantize != 0
+    assert sp.simplify(kernel.roofline - (gemm + quantize) * clock) == 0

@@ -119,12 +119,13 @@ class Measure:
                 continue
             m, _, k = gemm_mnk(group[0])
             n = _sum(gemm_mnk(op)[1] for op in group)
-            roofline = _sum(_gemm_time(op)[0] for op in group) * clock
-            kernel = Kernel("gemm", (m, n, k, S.gemm_bytes), roofline)
-            # one quantize of the shared input (an FP8 GEMM's activation operand)
+            # one quantize of the shared input (an FP8 GEMM's activation operand), which a
+            # table's time includes (TensorRT-LLM's Linear quantizes its input)
             quantize = _gemm_time(group[0])[1]
+            roofline = (_sum(_gemm_time(op)[0] for op in group) + quantize) * clock
+            kernel = Kernel("gemm", (m, n, k, S.gemm_bytes), roofline)
             self.fused.update({op.name: sp.Integer(0) for op in group})
-            self.fused[group[0].name] = self._time(kernel) / clock + quantize
+            self.fused[group[0].name] = self._time(kernel) / clock
 
     def compute(self, op) -> sp.Expr:
         clock = S.sustained_clock
@@ -132,8 +133,8 @@ class Measure:
             return self.fused[op.name]
         if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
             gemm, quantize = _gemm_time(op)
-            kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
-            return self._time(kernel) / clock + quantize
+            kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)
+            return self._time(kernel) / clock
         if op.kind is OpKind.ATTENTION:
             if len(op.inputs) < 3:  # DSA's index scores (no values): no table
                 return _compute_time(op)

@@ -244,10 +244,11 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         # tables hold kernels measured in isolation at full clock: a power-limited part runs
         # them at its sustained clock, and a step sustains a share of the isolated throughput
         # (the roofline fallback is handed over on the tables' footing likewise)
+        # (a table's FP8 or FP4 GEMM includes quantizing its activation operand)
         gemm, quantize = _gemm_time(op, saved)
         clock = S.sustained_clock * S.measured_efficiency
-        kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), gemm * clock)
-        return kernels.time(kernel) / clock + quantize
+        kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)
+        return kernels.time(kernel) / clock
     if op.kind is OpKind.ATTENTION:
         backward = op.phase is Phase.BACKWARD
         q, k = op.inputs[1:3] if backward else op.inputs[:2]
