@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from stage_dse.graph.ir import Op, Phase
+from stage_dse.graph.core import Graph
+from stage_dse.graph.ir import Phase
 
 __all__ = ["EAGER", "run_eagerly"]
 
@@ -50,12 +51,14 @@ EAGER: dict[str, tuple[tuple[sp.Rational, int], tuple[sp.Rational, int]]] = {
 """Eager bytes over fused bytes, and kernels launched, per element-wise kind and direction."""
 
 
-def run_eagerly(ops: list[Op]) -> None:
-    """Scale each element-wise op of ``ops`` to its eager kernels (in place)."""
-    for op in ops:
+def run_eagerly(graph: Graph) -> None:
+    """Scale each element-wise op of ``graph`` to its eager kernels, and mark the graph as
+    fusing nothing (in place)."""
+    for op in graph.ops:
         kind = op.elementwise
-        if kind is None or kind.name not in EAGER or op.phase is Phase.OPTIMIZER:
+        if kind is None or kind.name not in EAGER:
             continue
         factor, kernels = EAGER[kind.name][op.phase is Phase.BACKWARD]
         op.bytes = op.bytes * factor
         op.kernels = kernels
+    graph.fused_elementwise = False

@@ -536,8 +536,7 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
     if not key.fused_elementwise:
         for g in (embed, block, head, dense, windowed):
             if g is not None:
-                run_eagerly(g.ops)
-                g.fused_elementwise = False
+                run_eagerly(g)
     return ModelGraphs(
         key=key,
         embed=embed,
