@@ -12,6 +12,7 @@ from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.bind import evaluate_plan
 from stage_dse.graph import OpKind, Phase, build_graphs
 from stage_dse.graph.forward import ATTENTION_TILE, causal_fraction
+from stage_dse.graph.ir import FLASH_TRITON_SPEED
 from stage_dse.graph.symbols import S
 from stage_dse.spec import ParallelPlan, TrainingSpec
 
@@ -471,3 +472,26 @@ def test_trace_issues_backward_reductions_beside_the_weight_gradient_gemm(
     assert {comm.id, wgrad.id} <= set(after.data_deps)
     comm, wgrad, _, _ = found[False]
     assert wgrad.id in comm.data_deps
+
+
+# ------------------------------------------------------------------- attention kernels
+def test_triton_flash_attention_runs_at_half_flash_speed_with_the_same_memory():
+    """The 2022 Triton FlashAttention keeps FlashAttention's memory and flops; each attention
+    kernel takes 1 / FLASH_TRITON_SPEED as long, so a layer's forward grows by exactly the
+    fused kernel's roofline time (executed causal flops at attention_efficiency)."""
+    model = load_model("llama3_8b")
+    seq = 8192
+    training = TrainingSpec(seq_len=seq, global_batch_size=8)
+    r = {
+        kernel: _eval(model, training, ParallelPlan(dp=8, zero_stage=3, attention=kernel), 8)
+        for kernel in ("flash", "flash_triton")
+    }
+    flash, triton = r["flash"], r["flash_triton"]
+    for key in ("mem_total_bytes", "mem_activations_bytes", "model_flops"):
+        assert triton[key] == flash[key]
+    tiles = seq // ATTENTION_TILE
+    executed = 2 * 2 * seq * seq * model.num_heads * model.head_dim * (tiles + 1) / (2 * tiles)
+    fused_s = executed / (H100.peak_flops * H100.sustained_clock * H100.attention_efficiency)
+    delta_s = triton["time_layer_fwd_s"] - flash["time_layer_fwd_s"]
+    assert delta_s == pytest.approx(fused_s * (1 / FLASH_TRITON_SPEED - 1), rel=1e-6)
+    assert triton["step_s"] > flash["step_s"]

@@ -154,7 +154,7 @@ def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     if op.kind is OpKind.ATTENTION:
-        eff = S.attention_efficiency
+        eff = S.attention_efficiency * op.speed
         executed = op.flops * op.executed_fraction
         return (
             _max(executed / (S.peak_flops * S.sustained_clock * eff), stream, S.attention_floor_s)

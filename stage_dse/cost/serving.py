@@ -165,7 +165,9 @@ def _forward(
             if op.name in MOE_FUSED:
                 experts.append(t)
             mem.append(op.bytes / (S.hbm_bandwidth * S.memory_efficiency))
-            eff = S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency
+            eff = (
+                S.gemm_efficiency if op.kind is OpKind.EINSUM else S.attention_efficiency * op.speed
+            )
             if op.matmul:
                 flops.append(op.flops / (S.peak_flops * S.sustained_clock * eff))
     weights = _sum(w.local_numel * w.dtype_bytes for w in graph.weights)

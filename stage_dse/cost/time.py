@@ -257,8 +257,8 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         shape = (_local(q, 0), _local(q, 1), heads, kv, q.axes[-1].extent, _local(k, 1))
         scale = ATTENTION_BACKWARD_FACTOR if backward else sp.Integer(1)
         clock = S.sustained_clock * S.measured_efficiency
-        kernel = Kernel("attention", shape, _other_time(op, saved) * clock, scale)
-        return kernels.time(kernel) / clock
+        kernel = Kernel("attention", shape, _other_time(op, saved) * clock * op.speed, scale)
+        return kernels.time(kernel) / (clock * op.speed)  # op.speed: slower than the tables'
     return _compute_time(op, saved)
 
 

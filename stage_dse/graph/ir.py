@@ -28,6 +28,7 @@ __all__ = [
     "ADD",
     "CROSS_ENTROPY",
     "DROPOUT",
+    "FLASH_TRITON_SPEED",
     "GELU",
     "LAYERNORM",
     "RMSNORM",
@@ -230,6 +231,10 @@ class Op:
     kernels: int = 1
     """Kernels the op launches (an element-wise op run eagerly, :mod:`stage_dse.graph.eager`,
     launches one per op of its reference implementation)."""
+    speed: sp.Expr = sp.Integer(1)
+    """Throughput of the op's kernel relative to the hardware's reference kernel of its class
+    (``attention_efficiency`` is FlashAttention-2's class; the 2022 Triton kernel runs at
+    :data:`FLASH_TRITON_SPEED` of it)."""
     matmul: bool = False
     """Counts as model flops (einsum / attention)."""
     executed_fraction: sp.Expr = sp.Integer(1)
@@ -242,6 +247,16 @@ class Op:
     @property
     def is_comm(self) -> bool:
         return self.kind is OpKind.COLLECTIVE and self.coll is not CollKind.SLICE
+
+
+FLASH_TRITON_SPEED = sp.Rational(1, 2)
+"""Throughput of FlashAttention in Triton (``flash_attn_triton.py``, the 2022 kernel for the
+pre-MLIR Triton) relative to FlashAttention-2, forward plus backward. Its header: "Overall
+Triton forward + backward is slightly slower than CUDA forward + backward" (the CUDA
+FlashAttention of 2022, Dao-AILab/flash-attention ``flash_attn/flash_attn_triton.py``), and
+FlashAttention-2 runs about twice that CUDA kernel's speed (Dao, "FlashAttention-2",
+arXiv:2307.08691, abstract: "around 2x speedup compared to FlashAttention"); so half, or a
+little less. A cited constant, not fitted."""
 
 
 ADD = Elementwise("add", 1, 0, saves_inputs=False, linear=True)

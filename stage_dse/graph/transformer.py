@@ -24,6 +24,7 @@ from stage_dse.graph.eager import run_eagerly
 from stage_dse.graph.ir import (
     ADD,
     DROPOUT,
+    FLASH_TRITON_SPEED,
     GELU,
     LAYERNORM,
     RMSNORM,
@@ -31,6 +32,7 @@ from stage_dse.graph.ir import (
     SOFTMAX,
     SWIGLU,
     Axis,
+    OpKind,
     Region,
     Role,
     Scope,
@@ -227,7 +229,7 @@ class _Builder:
         )
         k = g.permute("k_concat", kn, [Bt, Tk, A, Dq], [*kn.layout[:3], ()], weights=kr)
         with g.region(Region.ATTENTION_CORE):
-            if self.k.attention is AttentionKernel.FLASH:
+            if self.k.attention.fused:
                 ctx = g.attention(
                     "core_attention",
                     q,
@@ -338,7 +340,7 @@ class _Builder:
         q_lat = g.einsum("q_absorb", q_nope, wk, [Bt, Sq, A, KL])
         q = g.permute("q_concat", q_lat, [Bt, Sq, A, KC], q_lat.layout, weights=q_rope)
         with g.region(Region.ATTENTION_CORE):
-            if self.k.attention is AttentionKernel.FLASH:
+            if self.k.attention.fused:
                 # values are the latent part of the cached vectors, read once with the keys
                 values = g.tensor("latent_values", Role.ACTIVATION, [Bt, T, KL], cache.layout, 0)
                 ctx = g.attention(
@@ -420,7 +422,7 @@ class _Builder:
                         Tk, band = DIMS.window_context, None
                     k, v = self.kv_cache(k, v, Tk)
                 with g.region(Region.ATTENTION_CORE):
-                    if self.k.attention is AttentionKernel.FLASH:
+                    if self.k.attention.fused:
                         ctx = g.attention(
                             "core_attention",
                             q,
@@ -533,10 +535,15 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
         windowed = _Builder(key, mode, kv_bytes).block(windowed=True)
     head, tied = _Builder(key, mode, kv_bytes).head()
     assert block.block_input is not None
-    if not key.fused_elementwise:
-        for g in (embed, block, head, dense, windowed):
-            if g is not None:
-                run_eagerly(g)
+    for g in (embed, block, head, dense, windowed):
+        if g is None:
+            continue
+        if not key.fused_elementwise:
+            run_eagerly(g)
+        if key.attention is AttentionKernel.FLASH_TRITON:
+            for op in g.ops:
+                if op.kind is OpKind.ATTENTION:
+                    op.speed = FLASH_TRITON_SPEED
     return ModelGraphs(
         key=key,
         embed=embed,

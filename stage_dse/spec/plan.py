@@ -62,6 +62,15 @@ class AttentionKernel(StrEnum):
     """Scores and probabilities are written to memory (the case of Korthikanti et al.)."""
     FLASH = "flash"
     """Fused kernel (FlashAttention): no s^2 tensors, QK^T recomputed inside backward."""
+    FLASH_TRITON = "flash_triton"
+    """The same fused algorithm in the 2022 Triton kernel (``flash_attn_triton``; MosaicML
+    llm-foundry's ``attn_impl: triton``, its benchmarks' default until 2024-03): slower than
+    FlashAttention-2 by :data:`~stage_dse.graph.ir.FLASH_TRITON_SPEED`."""
+
+    @property
+    def fused(self) -> bool:
+        """Scores stay on chip (no s^2 tensors in memory)."""
+        return self is not AttentionKernel.MATERIALIZED
 
 
 class PipelineSchedule(StrEnum):
