@@ -6,6 +6,7 @@ sympy over the symbols; :mod:`stage_dse.cost.time` composes these into step time
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import sympy as sp
 
@@ -209,3 +210,40 @@ MOE_FUSED = (
 """The ops of a routed-expert block that engines run as one fused MoE kernel (TensorRT-LLM's
 ``fused_moe``, vLLM's ``FusedMoE``, SGLang's likewise: top-k routing, the permutation to
 expert order, both grouped GEMMs with the gated activation, the weighted un-permutation)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """An op that ``timing=measured`` times from a table of measured kernels: which table,
+    the op's shape on one GPU, its roofline time (used where the table does not reach) and
+    the factor applied to the table's time."""
+
+    table: str
+    """``gemm``, ``attention``, or a collective kind (``all_reduce``, ``all_gather``, ...)."""
+    shape: tuple[sp.Expr, ...]
+    """gemm: (m, n, k, gemm bytes); attention: (batch, query sequence, query heads, key/value
+    heads, head dim, key sequence); collective: (bytes per GPU, GPUs per domain, domains, the
+    roofline seconds of its part inside one domain)."""
+    roofline: sp.Expr
+    scale: sp.Expr = sp.Integer(1)
+
+
+class KernelSet:
+    """The kernels of one family, each with the input symbol that carries its time."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[Kernel, sp.Symbol] = {}
+
+    def time(self, kernel: Kernel) -> sp.Symbol:
+        sym = self.symbols.get(kernel)
+        if sym is None:
+            sym = self.symbols[kernel] = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
+        return sym
+
+
+def gemm_kernel(op: Op, clock: sp.Expr, saved_bytes: sp.Expr = 0) -> Kernel:
+    """The measured-table lookup of a linear GEMM: its shape and its roofline (quantizing
+    the activation operand included, as a table's FP8 GEMM includes it) at ``clock``, the
+    footing of tables measured in isolation at full clock."""
+    gemm, quantize = _gemm_time(op, saved_bytes)
+    return Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from stage_dse.cost.expr import _sum
-from stage_dse.cost.kernel_time import MOE_FUSED
+from stage_dse.cost.kernel_time import MOE_FUSED, gemm_kernel
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import Kernel, _compute_time, _gemm_time, _local, _other_time, gemm_mnk
@@ -132,9 +132,7 @@ class Measure:
         if op.name in self.fused:
             return self.fused[op.name]
         if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
-            gemm, quantize = _gemm_time(op)
-            kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)
-            return self._time(kernel) / clock
+            return self._time(gemm_kernel(op, clock)) / clock
         if op.kind is OpKind.ATTENTION:
             if len(op.inputs) < 3:  # DSA's index scores (no values): no table
                 return _compute_time(op)

@@ -96,11 +96,14 @@ from stage_dse.cost.derive import EMBEDDING_GROUP, CostKey, derive
 from stage_dse.cost.expr import _max, _min, _sum, first_max_weights
 from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's kernel time)
     ELEMENTWISE_KINDS,
+    Kernel,
+    KernelSet,
     _compute_time,
     _fp8_quantized_numel,
     _fusion_savings,
     _gemm_time,
     _other_time,
+    gemm_kernel,
     gemm_mnk,
     gemm_precision_weights,
     touched_experts,
@@ -160,41 +163,12 @@ class SectionTime:
     bwd_comm: sp.Expr
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """An op that ``timing=measured`` times from a table of measured kernels: which table,
-    the op's shape on one GPU, its roofline time (used where the table does not reach) and
-    the factor applied to the table's time."""
-
-    table: str
-    """``gemm``, ``attention``, or a collective kind (``all_reduce``, ``all_gather``, ...)."""
-    shape: tuple[sp.Expr, ...]
-    """gemm: (m, n, k, gemm bytes); attention: (batch, query sequence, query heads, key/value
-    heads, head dim, key sequence); collective: (bytes per GPU, GPUs per domain, domains, the
-    roofline seconds of its part inside one domain)."""
-    roofline: sp.Expr
-    scale: sp.Expr = sp.Integer(1)
-
-
 ATTENTION_BACKWARD_FACTOR = sp.Rational(5, 2)
 """Measured fused-attention backward = this x the forward kernel's measured time: the
 backward kernel's flops over the forward's (four GEMMs plus the recomputed q k^T, the graph's
 rule in :mod:`stage_dse.graph.backward`), i.e. the backward kernel assumed to reach the
 forward kernel's measured throughput. FlashAttention-2 (Dao 2023) reports its backward
 kernel somewhat below its forward's throughput on A100, so this leans fast."""
-
-
-class KernelSet:
-    """The kernels of one family, each with the input symbol that carries its time."""
-
-    def __init__(self) -> None:
-        self.symbols: dict[Kernel, sp.Symbol] = {}
-
-    def time(self, kernel: Kernel) -> sp.Symbol:
-        sym = self.symbols.get(kernel)
-        if sym is None:
-            sym = self.symbols[kernel] = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
-        return sym
 
 
 def _hidden(comm: sp.Expr, cover: sp.Expr) -> sp.Expr:
@@ -245,10 +219,8 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         # them at its sustained clock, and a step sustains a share of the isolated throughput
         # (the roofline fallback is handed over on the tables' footing likewise)
         # (a table's FP8 or FP4 GEMM includes quantizing its activation operand)
-        gemm, quantize = _gemm_time(op, saved)
         clock = S.sustained_clock * S.measured_efficiency
-        kernel = Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)
-        return kernels.time(kernel) / clock
+        return kernels.time(gemm_kernel(op, clock, saved)) / clock
     if op.kind is OpKind.ATTENTION:
         backward = op.phase is Phase.BACKWARD
         q, k = op.inputs[1:3] if backward else op.inputs[:2]
