@@ -39,6 +39,7 @@ HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "peak_fp4_tflops": ("peak_fp4_flops", 1e12),
     "hbm_gib": ("hbm_bytes", 2.0**30),
     "hbm_tb_s": ("hbm_bandwidth_bytes_per_s", 1e12),
+    "host_gb_s": ("host_bandwidth_bytes_per_s", 1e9),
     "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),
     "kernel_launch_us": ("kernel_launch_s", 1e-6),
     "gemm_floor_us": ("gemm_floor_s", 1e-6),

@@ -114,6 +114,8 @@ class HardwareConf:
     gemm_floor_us: float = 0.0
     attention_floor_us: float = 0.0
     elementwise_floor_us: float = 0.0
+    host_gb_s: float = 64.0
+    """GPU-host link per GPU and direction, GB/s (activation offload; PCIe Gen5 x16: 64)."""
     measured_gpu: str = ""
     """timing=measured: table set of measured kernels (empty: by preset name; none: no tables)."""
 

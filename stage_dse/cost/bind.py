@@ -68,6 +68,7 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
         "ep": plan.ep,
         "ep_data": plan.ep_data,
         "virtual_stages": plan.virtual_stages,
+        "offload_layers": plan.offload_layers,
         **stage_values(num_layers, plan.pp, plan.virtual_stages, plan.stage_layers),
     }
 
@@ -104,6 +105,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "sustained_clock": hardware.sustained_clock,
         "measured_efficiency": hardware.measured_efficiency,
         "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
+        "host_bandwidth": hardware.host_bandwidth_bytes_per_s,
         "gemm_efficiency": hardware.gemm_efficiency,
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,
         "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,

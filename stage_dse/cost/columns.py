@@ -52,6 +52,7 @@ COST_COLUMNS: dict[str, str] = {
     "time_zero_comm_s": "zero_comm_s",
     "time_pp_comm_s": "pp_comm_s",
     "time_bubble_s": "bubble_s",
+    "time_offload_s": "offload_s",
     "time_dp_comm_s": "dp_comm_s",
     "time_optimizer_s": "optimizer_s",
     "tokens_per_s": "tokens_per_s",

@@ -398,9 +398,13 @@ def _derive(key: CostKey) -> TrainingCosts:
     if dns is not None:
         working = _max(working, dns.recompute_working_bytes[mode])
 
+    # activation offload (one stage only): the first offload_layers layers' activations are in
+    # host memory by the end of forward, counted as the model's block's
+    offloaded = S.offload_layers * blk.kept_bytes[mode]
+
     def stage_memory(parts, head_numel, head_mp, index, head_kept) -> dict[str, sp.Expr]:
         body = [(sec, c) for sec, c in parts if sec is not head]
-        act = inflight(index) * total(body, "kept_bytes", mode) + head_kept
+        act = inflight(index) * (total(body, "kept_bytes", mode) - offloaded) + head_kept
         return {
             **states(parts, head_numel, head_mp),
             "activations": act,
@@ -474,6 +478,7 @@ def _derive(key: CostKey) -> TrainingCosts:
         "block_flops": blk.compute_flops[mode],
         "microbatches": m,
         "boundary_bytes": graphs.boundary.local_bytes,
+        "offloaded_bytes": offloaded,
     }
 
     # communication per GPU per step: of each kind, the larger of the first and last stages

@@ -505,8 +505,19 @@ def _derive_time(key: CostKey, measured: bool):
     emb_bytes = costs.comm_bytes.get(f"{CollKind.ALL_REDUCE.value}_{EMBEDDING_GROUP}", 0)
     emb_sync = embedding_sync_time(emb_bytes, key.rank_order) if emb_bytes else sp.Integer(0)
 
+    # activation offload (pp = 1): a micro-batch's offloaded layers go to host memory on one
+    # copy stream during forward and come back during backward; a layer's copy is due before
+    # the forward of the layer k later (Transformer Engine's cpu_offload schedule), so the
+    # copies hide under the other layers' compute and what exceeds it is exposed, each way
+    # (copy engines: no SMs taken)
+    copy = costs.stage["offloaded_bytes"] / S.host_bandwidth
+    spare = S.layers - 1
+    offload = define(
+        "offload", _max(0, copy - spare * fcover(blk)) + _max(0, copy - spare * bcover(blk))
+    )
+
     def mb_time(st: dict[str, sp.Expr]) -> sp.Expr:
-        return st["compute"] + st["tp"] + st["ep"] + st["cp"] + st["zero"] + p2p
+        return st["compute"] + st["tp"] + st["ep"] + st["cp"] + st["zero"] + p2p + offload
 
     # every stage runs every micro-batch: the slowest stage sets the pace
     t = {name: on * define(f"t_mb_{name}", mb_time(st)) for name, (st, _, on) in stages.items()}
@@ -550,6 +561,7 @@ def _derive_time(key: CostKey, measured: bool):
         "zero_comm_s": m * pick("zero"),
         "pp_comm_s": m * p2p + emb_sync,
         "bubble_s": bubble_mb * t_mb,
+        "offload_s": m * offload,
         "dp_comm_s": grad_sync + param_gather,
         "optimizer_s": _max(*[on * st["optimizer"] for st, _, on in stages.values()]),
     }

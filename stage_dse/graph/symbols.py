@@ -101,6 +101,8 @@ class Symbols:
     """Layers on the middle stage with the most layer-micro-batches in flight."""
     act_stage = _count("act_stage")
     """Its index."""
+    offload_layers = _count("offload_layers")
+    """Layers whose saved activations are offloaded to host memory (``plan.offload_layers``)."""
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
@@ -108,6 +110,8 @@ class Symbols:
     sustained_clock = _real("sustained_clock")
     measured_efficiency = _real("measured_efficiency")
     hbm_bandwidth = _real("hbm_bandwidth")
+    host_bandwidth = _real("host_bandwidth")
+    """GPU-host link, bytes/s per GPU and direction (activation offload)."""
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
@@ -154,6 +158,7 @@ HARDWARE_SYMBOLS = (
     "sustained_clock",
     "measured_efficiency",
     "hbm_bandwidth",
+    "host_bandwidth",
     "gemm_efficiency",
     "fp8_gemm_efficiency",
     "fp4_gemm_efficiency",

@@ -42,7 +42,7 @@ LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_byt
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
-    "ep", "ep_data", "virtual_stages", "gpus_per_node", "pod_gpus", "zero_stage",
+    "ep", "ep_data", "virtual_stages", "offload_layers", "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
     *STAGE_SYMBOLS,
@@ -149,7 +149,7 @@ PLAN_CONFIG = {
     "num_gpus", "micro_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", *PLAN_KEY_COLUMNS,
     *PLAN_LABEL_COLUMNS, *STAGE_SYMBOLS,
 }  # fmt: skip
-_HASHED_APART = ("fused_elementwise",)
+_HASHED_APART = ("fused_elementwise", "offload_layers", "host_bandwidth")
 """Config columns hashed only where they differ from the default (older rows keep their hashes)."""
 HASH_ORDER: tuple[str, ...] = (
     *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG and c not in _HASHED_APART),
@@ -187,6 +187,13 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             if np.any(eager):
                 h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
+        # activation offload and the host link it copies over (absent or none: as before)
+        if "offload_layers" in source:
+            layers = np.nan_to_num(np.asarray(source["offload_layers"], dtype=float))
+            if np.any(layers > 0):
+                extra = _mix(h ^ (_hash_input(pd.Series(layers), False) + _GOLDEN))
+                link = _hash_input(source["host_bandwidth"], False)
+                h = np.where(layers > 0, _mix(extra ^ (link + 2 * _GOLDEN)), h)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)

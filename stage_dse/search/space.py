@@ -155,6 +155,7 @@ class PlanGrid:
             "cp": t_cp,
             "micro_batch": values("micro_batch"),
             "virtual_stages": v_sel,
+            "offload_layers": 0,
             "stage_layers": labels("stage_layers"),
             **{
                 name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]

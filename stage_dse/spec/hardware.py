@@ -113,13 +113,22 @@ class HardwareSpec:
     """Shortest time of a fused attention kernel, seconds."""
     elementwise_floor_s: float = 0.0
     """Shortest time of a streaming (element-wise, norm, quantize) kernel, seconds."""
+    host_bandwidth_bytes_per_s: float = 64e9
+    """GPU-host link per GPU and direction, bytes/s, where activation offload copies (PCIe
+    Gen5 x16 by default; NVLink-C2C on Grace superchips)."""
     measured_gpu: str = ""
     """``timing=measured``: the table set of measured kernels (``a100_sxm``, ``h100_sxm``, ...;
     empty: :data:`stage_dse.kernels.tables.GPU_TABLES` by preset name; ``none``: no tables)."""
 
     def __post_init__(self) -> None:
         owner = "hardware"
-        for f in ("peak_flops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "gemm_half_dim"):
+        for f in (
+            "peak_flops",
+            "hbm_bytes",
+            "hbm_bandwidth_bytes_per_s",
+            "gemm_half_dim",
+            "host_bandwidth_bytes_per_s",
+        ):
             positive_number(owner, f, getattr(self, f))
         for f in (
             "gemm_efficiency",

@@ -166,6 +166,13 @@ class ParallelPlan:
     trainer, which accumulates fp32 gradients over micro-batches, "The Llama 3 Herd of Models"
     sec. 3.3.2); off, each micro-batch reduce-scatters them (DeepSpeed ZeRO-2). Other stages
     are unaffected (ZeRO-3 reduce-scatters in every backward)."""
+    offload_layers: int = 0
+    """Layers whose saved activations go to host memory in forward and come back for their
+    backward (Transformer Engine's CPU offload: Megatron-Core ``--cpu-offloading-num-layers``
+    with activations offloaded). The first ``offload_layers`` layers are copied out on a side
+    stream while later layers compute, so activation memory is that of the other layers
+    (``transformer_engine/pytorch/cpu_offload.py``); Megatron-Core allows it with one pipeline
+    stage and no activation recompute only (``TransformerConfig.__post_init__``)."""
     fused_elementwise: bool = True
     """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
     (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its
@@ -176,6 +183,14 @@ class ParallelPlan:
         owner = "plan"
         for field in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             positive_int(owner, field, getattr(self, field), MAX_GPUS)
+        if (
+            isinstance(self.offload_layers, bool)
+            or not isinstance(self.offload_layers, int)
+            or self.offload_layers < 0
+        ):
+            raise ConfigError(
+                f"plan.offload_layers must be an integer >= 0, got {self.offload_layers!r}"
+            )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for flag in (
@@ -285,6 +300,21 @@ def validate_plan(
     divides("tp", plan.tp, "vocab", model.vocab_size)
     if plan.pp > model.num_layers:
         raise ConfigError(f"pp({plan.pp}) > layers({model.num_layers})")
+    if plan.offload_layers:
+        if plan.offload_layers >= model.num_layers:
+            raise ConfigError(
+                f"offload_layers({plan.offload_layers}) must be below layers({model.num_layers})"
+            )
+        if plan.pp > 1:
+            raise ConfigError(
+                f"offload_layers({plan.offload_layers}) needs pp=1, got pp({plan.pp}) "
+                "(activation offload is not combined with pipeline parallelism)"
+            )
+        if plan.recompute is not Recompute.NONE:
+            raise ConfigError(
+                f"offload_layers({plan.offload_layers}) needs recompute=none, got "
+                f"recompute={plan.recompute.value} (offloaded activations are kept, not recomputed)"
+            )
     virtual_stage_layers(model.num_layers, plan.pp, plan.virtual_stages, plan.stage_layers)
     divides("cp", plan.cp, "seq", training.seq_len)
     if plan.sequence_parallel and training.seq_len % (plan.tp * plan.cp):

@@ -36,6 +36,12 @@ TRACES_DIR = "_traces"
 DTYPE_OF_BYTES = {1: "fp8", 2: "bf16", 4: "fp32"}
 
 
+def _given(row, column: str, default: float) -> float:
+    """A column of a row, or ``default`` where the row predates it (absent or null)."""
+    value = row.get(column)
+    return default if value is None or pd.isna(value) else value
+
+
 def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig:
     """The specs of one result row (every configuration column is in the row)."""
     model = ModelSpec(
@@ -113,6 +119,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         grad_sync_per_step=bool(row.get("grad_sync_per_step", False)),
         ep_dispatch_dedup=bool(row.get("ep_dispatch_dedup", False)),
         fused_elementwise=bool(row.get("fused_elementwise", True)),
+        offload_layers=int(_given(row, "offload_layers", 0)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
@@ -133,6 +140,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         gemm_floor_s=float(row["gemm_floor_s"]),
         attention_floor_s=float(row["attention_floor_s"]),
         elementwise_floor_s=float(row["elementwise_floor_s"]),
+        host_bandwidth_bytes_per_s=float(_given(row, "host_bandwidth", 64e9)),
     )
     cluster = ClusterSpec(
         name=str(row["cluster"]),

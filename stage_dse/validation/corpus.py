@@ -97,6 +97,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "memory_gib": NUMBER,
     "async_tp": BOOL,
     "activation_cpu_offload": BOOL,
+    "offload_layers": INT,
     "torch_compile": BOOL,
 }
 SERVING_FIELDS: dict[str, tuple] = {

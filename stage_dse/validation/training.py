@@ -117,8 +117,8 @@ def training_setup(case: Case) -> TrainingSetup:
         cluster = load_cluster(cl_name, **overrides)
     except ConfigError as exc:
         raise CorpusError(f"{label}: {exc}") from None
-    if f.get("activation_cpu_offload"):
-        raise Unexpressible("activation offload to host memory")
+    if f.get("activation_cpu_offload") and not f.get("offload_layers"):
+        raise Unexpressible("activation offload to host memory without a layer count")
     precision = f.get("precision", "bf16")
     if precision not in ("bf16", "fp16", "fp8"):
         raise Unexpressible(f"precision {precision!r} (training GEMMs in bf16, fp16 or fp8 only)")
@@ -203,6 +203,7 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         attention=f.get("attention", framework.attention),
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
+        offload_layers=f.get("offload_layers", 0),
         stage_layers=str(f.get("stage_layers", "balanced")),
         rank_order=f.get("rank_order", DEFAULT_RANK_ORDER),
         **flags,
