@@ -88,3 +88,11 @@ def test_plans_megatron_core_refuses_are_refused_with_the_field_named(changes, m
 def test_offload_layers_must_be_a_count(value):
     with pytest.raises(ConfigError, match=r"plan\.offload_layers must be an integer >= 0"):
         ParallelPlan(dp=8, offload_layers=value)
+
+
+def test_traces_refuse_offload_rather_than_drop_its_copies():
+    from stage_dse.trace.build import TraceConfig
+
+    plan = ParallelPlan(dp=8, zero_stage=3, offload_layers=4)
+    with pytest.raises(ConfigError, match=r"plan\.offload_layers=4: traces carry no host copies"):
+        TraceConfig(MODEL, TRAINING, plan, H100, CLUSTER)

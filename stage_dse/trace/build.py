@@ -76,6 +76,11 @@ class TraceConfig:
             )
         if self.granularity not in ("segment", "op"):
             raise ConfigError(f"granularity={self.granularity!r} is not one of: segment, op")
+        if self.plan.offload_layers:
+            raise ConfigError(
+                f"plan.offload_layers={self.plan.offload_layers}: traces carry no host copies "
+                "yet; trace the plan with offload_layers=0 (its step time is in the row)"
+            )
 
 
 def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
