@@ -96,3 +96,47 @@ def test_traces_refuse_offload_rather_than_drop_its_copies():
     plan = ParallelPlan(dp=8, zero_stage=3, offload_layers=4)
     with pytest.raises(ConfigError, match=r"plan\.offload_layers=4: traces carry no host copies"):
         TraceConfig(MODEL, TRAINING, plan, H100, CLUSTER)
+
+
+def test_sweeps_range_over_offload_where_megatron_core_allows_it():
+    from stage_dse.cost.table import evaluate_plans
+    from stage_dse.search import enumerate_plans
+    from stage_dse.spec.sweep import SearchSpace
+
+    space = SearchSpace(
+        tp=(1,),
+        pp=(1, 2),
+        micro_batch_size=(1,),
+        zero_stage=(3,),
+        recompute=("none", "full"),
+        sequence_parallel=(False,),
+        offload_layers=(0, 8, 32),
+    )
+    plans = enumerate_plans(MODEL, TRAINING, H100, CLUSTER, space)
+    assert plans.candidates == 12
+    assert dict(plans.rejected) == {
+        "offload_layers must be below layers(32)": 4,
+        "offload_layers needs pp=1": 2,
+        "offload_layers needs recompute=none": 1,
+    }
+    rows = evaluate_plans(plans.columns.frame())
+    offloaded = rows[rows["offload_layers"] > 0]
+    assert len(offloaded) == 1
+    assert offloaded["pp"].tolist() == [1] and offloaded["recompute"].tolist() == ["none"]
+    direct = _eval(8)
+    assert float(offloaded["step_s"].iloc[0]) == pytest.approx(direct["step_s"], rel=1e-9)
+    assert float(offloaded["mem_total_bytes"].iloc[0]) == pytest.approx(direct["mem_total_bytes"])
+
+
+def test_a_sweep_config_lists_offload_layers():
+    from stage_dse.config.space import to_search_space
+
+    plan = {
+        "tp": [1], "pp": [1], "cp": [1], "ep": [1], "expert_tensor_parallel": [False],
+        "ep_over_tp": [False], "micro_batch_size": [1], "zero_stage": [3], "recompute": ["none"],
+        "sequence_parallel": [False], "attention": ["flash"], "virtual_stages": [1],
+        "rank_order": ["tp-cp-ep-dp-pp"], "offload_layers": 4,
+    }  # fmt: skip
+    assert list(to_search_space(plan).offload_layers) == [4]
+    with pytest.raises(ConfigError, match=r"plan\.offload_layers values must be integers >= 0"):
+        to_search_space({**plan, "offload_layers": [-2]})

@@ -176,6 +176,8 @@ class PlanConf:
     stage_layers: list[Any] = field(default_factory=lambda: ["balanced"])
     """Layer splits over pipeline stages: balanced, ceil, or lists of layers per virtual stage."""
     rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])
+    offload_layers: list[int] = field(default_factory=lambda: [0])
+    """Layers whose activations are offloaded to host memory (0: none; pp = 1, no recompute)."""
     framework: Any = field(default_factory=lambda: ["megatron_core"])
     """Framework profiles (``conf/framework/``) every plan is evaluated under: a name or a
     list of names, one row per plan and framework."""

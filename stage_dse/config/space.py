@@ -55,7 +55,10 @@ def to_search_space(plan: dict) -> SearchSpace:
         "attention",
         "virtual_stages",
         "rank_order",
+        "offload_layers",
     ):
+        if name not in data:
+            continue
         v = data[name]
         if not isinstance(v, list | tuple):
             data[name] = [v]

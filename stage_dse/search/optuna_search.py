@@ -53,6 +53,7 @@ PLAN_AXES = (
     "stage_layers",
     "attention",
     "rank_order",
+    "offload_layers",
 )
 """Plan axes in the order a trial chooses them (most decisive for step time first)."""
 TRIPLE = {"tp": 0, "pp": 1, "cp": 2}

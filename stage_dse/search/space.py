@@ -155,7 +155,7 @@ class PlanGrid:
             "cp": t_cp,
             "micro_batch": values("micro_batch"),
             "virtual_stages": v_sel,
-            "offload_layers": 0,
+            "offload_layers": values("offload_layers"),
             "stage_layers": labels("stage_layers"),
             **{
                 name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
@@ -226,6 +226,7 @@ def plan_grid(
         "triple": triples,
         "stage_layers": list(space.stage_layers),
         "micro_batch": sorted(set(space.micro_batch_size)),
+        "offload_layers": sorted(set(space.offload_layers)),
     }
     shape = tuple(len(v) for v in axes.values())
     per_triple = int(np.prod([len(v) for k, v in axes.items() if k != "triple"]))
@@ -265,6 +266,8 @@ def plan_grid(
     split_dims[first_split_dim : first_split_dim + 3] = split_shape
     tp, pp, cp = (grid("triple", tri[:, k]) for k in range(3))
     mb = grid("micro_batch").astype(np.int64)
+    offload = grid("offload_layers").astype(np.int64)
+    recompute = grid("recompute", [r != "none" for r in axes["recompute"]]).astype(bool)
     v = grid("virtual_stages").astype(np.int64)
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
@@ -296,6 +299,9 @@ def plan_grid(
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
         *_moe_rules(model, tp, ep, etp, fold, sp_, dp),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
+        (f"offload_layers must be below layers({L})", offload >= L),
+        ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),
+        ("offload_layers needs recompute=none", (offload > 0) & recompute),
     ]
     ok = np.ones(shape, dtype=bool)
     rejected: Counter = Counter()

@@ -73,6 +73,9 @@ class SearchSpace:
     """Layer splits over pipeline stages (:mod:`stage_dse.spec.stages`): ``balanced``,
     ``ceil`` or explicit lists of layers per virtual stage."""
     rank_order: Sequence[str] = ("tp-cp-ep-dp-pp",)
+    offload_layers: Sequence[int] = (0,)
+    """Layers whose activations go to host memory (``ParallelPlan.offload_layers``); above 0
+    only with pp = 1 and no recompute, below the layer count."""
     frameworks: Sequence[FrameworkSpec] = (FrameworkSpec(),)
     """The frameworks every plan is evaluated under (:mod:`stage_dse.spec.framework`): one
     row per plan and framework; each sets its plan flags (overlaps, per-tensor ZeRO-3) and
@@ -97,6 +100,11 @@ class SearchSpace:
                 _positive_list(name, v)
         for name in ("micro_batch_size", "virtual_stages"):
             _positive_list(name, getattr(self, name))
+        if not self.offload_layers:
+            raise ConfigError("plan.offload_layers must list at least one value")
+        for k in self.offload_layers:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ConfigError(f"plan.offload_layers values must be integers >= 0, got {k!r}")
         if not self.stage_layers:
             raise ConfigError("plan.stage_layers must list at least one split")
         splits = tuple(dict.fromkeys(normalize_stage_layers(s) for s in self.stage_layers))
@@ -109,7 +117,10 @@ class SearchSpace:
                 raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full, op")
         for a in self.attention:
             if a not in {m.value for m in AttentionKernel}:
-                raise ConfigError(f"plan.attention={a!r} is not one of: materialized, flash")
+                raise ConfigError(
+                    f"plan.attention={a!r} is not one of: "
+                    + ", ".join(m.value for m in AttentionKernel)
+                )
         for order in self.rank_order:
             parts = str(order).split("-")
             if sorted(parts) != sorted(m.value for m in MeshAxis):
