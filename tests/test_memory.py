@@ -116,7 +116,13 @@ def test_zero_model_states(stage, factor_replicated, factor_sharded):
     plan = ParallelPlan(dp=64, zero_stage=stage)
     costs = training_costs(gpt(), plan, TRAIN)
     mem = costs.memory_bytes
-    one_stage = {S.pp: 1, S.first_layers: S.layers, S.last_layers: S.layers, S.mid_layers: 0}
+    one_stage = {
+        S.pp: 1,
+        S.first_layers: S.layers,
+        S.last_layers: S.layers,
+        S.mid_layers: 0,
+        S.offload_layers: 0,
+    }
     states = (mem["weights"] + mem["grads"] + mem["optimizer"]).subs(
         {**one_stage, S.tp: 1, S.cp: 1}
     )

@@ -164,7 +164,7 @@ def test_pipeline_bubble(schedule, v):
         for name, column in COST_COLUMNS.items()
         if name.startswith("time_") and name != "time_step_s"
     ]
-    assert len(parts) == 9
+    assert len(parts) == 10
     assert sum(r[k] for k in parts) == pytest.approx(r["step_s"], rel=1e-12)
 
 
