@@ -140,3 +140,19 @@ def test_a_sweep_config_lists_offload_layers():
     assert list(to_search_space(plan).offload_layers) == [4]
     with pytest.raises(ConfigError, match=r"plan\.offload_layers values must be integers >= 0"):
         to_search_space({**plan, "offload_layers": [-2]})
+
+
+def test_offload_changes_a_rows_hash_only_where_it_offloads():
+    from stage_dse.cost.table import plans_table
+    from stage_dse.results.schema import config_hash_u64
+
+    plans = [ParallelPlan(dp=8, zero_stage=3, offload_layers=k) for k in (0, 0, 4)]
+    table = plans_table(MODEL, TRAINING, plans, H100, CLUSTER)
+    table.loc[1, "host_bandwidth"] = 1e9  # a slower host link, no offload
+    hashes = config_hash_u64(table)
+    older = config_hash_u64(table.drop(columns=["offload_layers", "host_bandwidth"]))
+    assert hashes[0] == hashes[1] == older[0]  # rows without offload keep their hashes
+    assert hashes[2] != hashes[0]
+    slower = table.copy()
+    slower.loc[2, "host_bandwidth"] = 1e9
+    assert config_hash_u64(slower)[2] != hashes[2]

@@ -193,7 +193,7 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             if np.any(layers > 0):
                 extra = _mix(h ^ (_hash_input(pd.Series(layers), False) + _GOLDEN))
                 link = _hash_input(source["host_bandwidth"], False)
-                h = np.where(layers > 0, _mix(extra ^ (link + 2 * _GOLDEN)), h)
+                h = np.where(layers > 0, _mix(extra ^ (link + np.uint64(2) * _GOLDEN)), h)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)
