@@ -9,10 +9,18 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from stage_dse.cost.expr import _sum
-from stage_dse.cost.kernel_time import MOE_FUSED, gemm_kernel
+from stage_dse.cost.kernel_time import (
+    MOE_FUSED,
+    Kernel,
+    _compute_time,
+    _gemm_time,
+    _other_time,
+    gemm_kernel,
+    gemm_mnk,
+)
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
-from stage_dse.cost.time import Kernel, _compute_time, _gemm_time, _local, _other_time, gemm_mnk
+from stage_dse.cost.time import _local
 from stage_dse.graph.ir import CollKind, OpKind
 from stage_dse.graph.symbols import S
 from stage_dse.spec.serving import MOE_ROUTINGS, ROUTING_SKEW

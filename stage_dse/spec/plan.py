@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from stage_dse.errors import ConfigError
-from stage_dse.spec._validate import MAX_GPUS, coerce_enum, divides, positive_int
+from stage_dse.spec._validate import (
+    MAX_GPUS,
+    coerce_enum,
+    divides,
+    non_negative_int,
+    positive_int,
+)
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
@@ -183,14 +189,7 @@ class ParallelPlan:
         owner = "plan"
         for field in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             positive_int(owner, field, getattr(self, field), MAX_GPUS)
-        if (
-            isinstance(self.offload_layers, bool)
-            or not isinstance(self.offload_layers, int)
-            or self.offload_layers < 0
-        ):
-            raise ConfigError(
-                f"plan.offload_layers must be an integer >= 0, got {self.offload_layers!r}"
-            )
+        non_negative_int(owner, "offload_layers", self.offload_layers)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for flag in (
