@@ -18,6 +18,9 @@ os.environ["STAGE_DSE_CACHE"] = tempfile.mkdtemp(prefix="stage_dse_cache_")
 # GPT of Narayanan et al.: ffn = 4h, head_dim = h / a, MHA, learned positions of length s
 GPT_SUBS = {
     S.gemm_bytes: 2,  # bf16 GEMM inputs
+    S.fp8_rowwise: 0,  # no FP8 scaling recipe
+    S.fp8_wgrad_hp: 0,
+    S.fp8_mx: 0,
     S.ffn: 4 * S.hidden,
     S.head_dim: S.hidden / S.heads,
     S.kv_heads: S.heads,

@@ -116,6 +116,10 @@ class HardwareConf:
     elementwise_floor_us: float = 0.0
     host_gb_s: float = 64.0
     """GPU-host link per GPU and direction, GB/s (activation offload; PCIe Gen5 x16: 64)."""
+    rowwise_gemm_speed: float = 1.0
+    """Row-wise-scaled FP8 GEMM throughput over the per-tensor one (fp8_recipe=rowwise)."""
+    mxfp8_gemm_speed: float = 0.0
+    """MXFP8 GEMM throughput over per-tensor FP8 (0: no block-scaled tensor cores)."""
     measured_gpu: str = ""
     """timing=measured: table set of measured kernels (empty: by preset name; none: no tables)."""
 
@@ -153,6 +157,8 @@ class TrainingConf:
     optimizer_state_dtype: str = "fp32"
     gemm_dtype: str = "bf16"
     """bf16 or fp8: precision of the linear layers' GEMMs and of the activations they keep."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling: tensorwise, rowwise, rowwise_gw_hp or mxfp8 (only with gemm_dtype=fp8)."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ from stage_dse.spec import (
     validate_plan,
 )
 from stage_dse.spec.stages import stage_values
+from stage_dse.spec.training import Fp8Recipe
 
 __all__ = ["bind", "bind_hardware", "evaluate_plan", "model_values", "moe_values", "plan_values"]
 
@@ -46,9 +47,20 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         **moe_values(model),
         "global_batch": training.global_batch_size,
         "gemm_bytes": training.gemm_dtype.bytes,
+        **fp8_recipe_values(training),
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
+    }
+
+
+def fp8_recipe_values(training: TrainingSpec) -> dict[str, int]:
+    """The FP8 scaling recipe's 0/1 symbols (all 0 for ``tensorwise`` and 16-bit GEMMs)."""
+    recipe = training.fp8_recipe
+    return {
+        "fp8_rowwise": int(recipe.rowwise),
+        "fp8_wgrad_hp": int(recipe is Fp8Recipe.ROWWISE_GW_HP),
+        "fp8_mx": int(recipe is Fp8Recipe.MXFP8),
     }
 
 
@@ -106,6 +118,8 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "measured_efficiency": hardware.measured_efficiency,
         "hbm_bandwidth": hardware.hbm_bandwidth_bytes_per_s,
         "host_bandwidth": hardware.host_bandwidth_bytes_per_s,
+        "rowwise_gemm_speed": hardware.rowwise_gemm_speed,
+        "mxfp8_gemm_speed": hardware.mxfp8_gemm_speed,
         "gemm_efficiency": hardware.gemm_efficiency,
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,
         "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,

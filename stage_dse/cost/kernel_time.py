@@ -55,12 +55,53 @@ def _fp8_quantized_numel(op: Op) -> sp.Expr:
     return sp.Integer(0)
 
 
-def gemm_precision_weights() -> tuple[sp.Expr, sp.Expr, sp.Expr]:
-    """0/1 weights (16-bit, 8-bit, 4-bit) of the tensor cores the linear GEMMs run on, from
-    ``gemm_bytes`` (2, 1 or below 0.75) in min/max arithmetic; exactly one of them is 1."""
-    w16 = _max(0, _min(1, S.gemm_bytes - 1))
-    w4 = _max(0, _min(1, 4 * (1 - S.gemm_bytes)))
+def gemm_input_bytes(op: Op | None = None) -> sp.Expr:
+    """Bytes per element of a linear GEMM's inputs: ``gemm_bytes``, but 16-bit for the weight
+    gradient under ``fp8_recipe=rowwise_gw_hp``."""
+    if op is not None and op.outputs[0].role is Role.GRAD:
+        return S.gemm_bytes + S.fp8_wgrad_hp * (2 - S.gemm_bytes)
+    return S.gemm_bytes
+
+
+def gemm_precision_weights(op: Op | None = None) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """0/1 weights (16-bit, 8-bit, 4-bit) of the tensor cores a linear GEMM runs on, from its
+    input bytes (:func:`gemm_input_bytes`: 2, 1 or below 0.75) in min/max arithmetic; exactly
+    one of them is 1."""
+    b = gemm_input_bytes(op)
+    w16 = _max(0, _min(1, b - 1))
+    w4 = _max(0, _min(1, 4 * (1 - b)))
     return w16, 1 - w16 - w4, w4
+
+
+def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
+    """(kernel speed, seconds of added kernels) of a linear GEMM under the FP8 scaling recipe,
+    against per-tensor scaling (:class:`~stage_dse.spec.training.Fp8Recipe`); (1, 0) for
+    16-bit GEMMs and ``tensorwise``.
+
+    Speed: MXFP8 GEMMs at ``mxfp8_gemm_speed``; row-wise forward GEMMs at
+    ``rowwise_gemm_speed`` (the backward ones run the per-tensor kernel). Added kernels under
+    row-wise scales: every backward FP8 GEMM rescales its 16-bit output (read and write); the
+    input gradient quantizes the weight along its other axis; the weight gradient quantizes
+    both operands along the token axis from their 16-bit copies."""
+    _, w8, _ = gemm_precision_weights(op)
+    row, mx = S.fp8_rowwise, S.fp8_mx
+    forward = op.phase is Phase.FORWARD
+    speed = 1 - mx * (1 - S.mxfp8_gemm_speed) - (row * (1 - S.rowwise_gemm_speed) if forward else 0)
+    if forward:
+        return 1 - w8 * (1 - speed), sp.Integer(0)
+    bandwidth = S.hbm_bandwidth * S.memory_efficiency
+
+    def kernel(nbytes: sp.Expr) -> sp.Expr:
+        return _max(nbytes / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
+
+    quantize = 2 + S.gemm_bytes  # read 16-bit, write FP8
+    rescale = kernel(4 * op.outputs[0].local_numel)
+    if op.outputs[0].role is Role.GRAD:
+        added = rescale + _sum(kernel(quantize * t.local_numel) for t in op.inputs)
+    else:
+        weights = _sum(t.local_numel for t in op.inputs if t.role is Role.WEIGHT)
+        added = rescale + kernel(quantize * weights)
+    return 1 - w8 * (1 - speed), w8 * row * added
 
 
 def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Expr:
@@ -107,8 +148,11 @@ def _token_and_weight_dims(op: Op) -> tuple[sp.Expr, sp.Expr]:
     return (k, _min(m, n)) if op.outputs[0].role is Role.GRAD else (m, _min(n, k))
 
 
-def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.Expr, sp.Expr]:
-    """(the GEMM kernel, the FP8 quantize kernel before it) of an einsum, in seconds. A
+def _gemm_time(
+    op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0, recipe: bool = True
+) -> tuple[sp.Expr, sp.Expr]:
+    """(the GEMM kernel, the FP8 quantize kernels around it) of an einsum, in seconds
+    (``recipe``: with the FP8 recipe's speed and added kernels, :func:`fp8_recipe_terms`). A
     grouped expert GEMM runs only its touched experts (:func:`touched_experts`): their
     weights are read, their tiles hold the tokens of the touched experts; under uneven
     routing (``skew``) its flops and rows per expert are the busiest rank's
@@ -132,19 +176,23 @@ def _gemm_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> tuple[sp.
     peak = S.peak_flops
     quantize = sp.Integer(0)
     if is_linear(op):  # the tensor cores of the GEMM inputs' precision (gemm_bytes)
-        w16, w8, w4 = gemm_precision_weights()
+        w16, w8, w4 = gemm_precision_weights(op)
         peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
         eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
+        speed, added = fp8_recipe_terms(op) if recipe else (1, 0)
+        eff = eff * speed
         # FP8 GEMMs saturate at larger shapes (HardwareSpec): weight dimensions at
         # fp8_gemm_half_dim, the token dimension at twice gemm_half_dim (tokens per weight
         # tile to fill a doubled math rate; 159-296 in the tables against ~128 for bf16)
         fp8 = _min(tokens / (tokens + 2 * S.gemm_half_dim), width / (width + S.fp8_gemm_half_dim))
         eff = eff * ((1 - w8) * shape + w8 * fp8)
         numel = _fp8_quantized_numel(op)
-        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
-            streamed = (2 + S.gemm_bytes) * numel
+        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes (MX: twice,
+            # a row-wise and a column-wise copy)
+            streamed = (2 + S.gemm_bytes * (1 + S.fp8_mx)) * numel
             kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
             quantize = (1 - w16) * kernel
+        quantize = quantize + added
     flops = op.flops * load
     gemm = _max(flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
     gemm = gemm + S.kernel_launch_s
@@ -242,8 +290,9 @@ class KernelSet:
 
 
 def gemm_kernel(op: Op, clock: sp.Expr, saved_bytes: sp.Expr = 0) -> Kernel:
-    """The measured-table lookup of a linear GEMM: its shape and its roofline (quantizing
-    the activation operand included, as a table's FP8 GEMM includes it) at ``clock``, the
-    footing of tables measured in isolation at full clock."""
-    gemm, quantize = _gemm_time(op, saved_bytes)
-    return Kernel("gemm", (*gemm_mnk(op), S.gemm_bytes), (gemm + quantize) * clock)
+    """The measured-table lookup of a linear GEMM: its shape and its per-tensor-scaled
+    roofline (quantizing the activation operand included, as a table's FP8 GEMM includes it)
+    at ``clock``, the footing of tables measured in isolation at full clock. The FP8 recipe's
+    speed and added kernels apply on top (:func:`fp8_recipe_terms`)."""
+    gemm, quantize = _gemm_time(op, saved_bytes, recipe=False)
+    return Kernel("gemm", (*gemm_mnk(op), gemm_input_bytes(op)), (gemm + quantize) * clock)

@@ -70,11 +70,13 @@ def gemm_cached(graph: Graph) -> set[Tensor]:
 
 
 def kept_bytes(graph: Graph, tensors: Iterable[Tensor]) -> sp.Expr:
-    """Bytes of kept activations (those only linear GEMMs keep at ``gemm_bytes`` each)."""
+    """Bytes of kept activations (those only linear GEMMs keep at ``gemm_bytes`` each; twice
+    that under row-wise FP8 scales, which keep the 16-bit tensor to quantize it along the
+    other axis in backward; MX scales keep only the column-wise copy the weight gradient
+    reads, as Transformer Engine's ``Linear`` drops the row-wise one after forward)."""
     gemm_only = gemm_cached(graph)
-    return _sum(
-        [t.local_numel * S.gemm_bytes if t in gemm_only else t.local_bytes for t in tensors]
-    )
+    kept = S.gemm_bytes * (1 + S.fp8_rowwise)
+    return _sum([t.local_numel * kept if t in gemm_only else t.local_bytes for t in tensors])
 
 
 def _ordered_saved(graph: Graph) -> list[Tensor]:

@@ -103,6 +103,7 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     _fusion_savings,
     _gemm_time,
     _other_time,
+    fp8_recipe_terms,
     gemm_kernel,
     gemm_mnk,
     gemm_precision_weights,
@@ -220,7 +221,8 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         # (the roofline fallback is handed over on the tables' footing likewise)
         # (a table's FP8 or FP4 GEMM includes quantizing its activation operand)
         clock = S.sustained_clock * S.measured_efficiency
-        return kernels.time(gemm_kernel(op, clock, saved)) / clock
+        speed, added = fp8_recipe_terms(op)
+        return kernels.time(gemm_kernel(op, clock, saved)) / (clock * speed) + added
     if op.kind is OpKind.ATTENTION:
         backward = op.phase is Phase.BACKWARD
         q, k = op.inputs[1:3] if backward else op.inputs[:2]

@@ -78,6 +78,13 @@ class Symbols:
     gemm_bytes = _real("gemm_bytes")
     """Bytes per element of the linear layers' GEMM inputs: 2 (bf16/fp16), 1 (fp8) or 0.5625
     (NVFP4, its block scales included); below 0.75 they run on the FP4 tensor cores."""
+    # the FP8 scaling recipe (stage_dse.spec.training.Fp8Recipe), 0/1 each, 0 for tensorwise
+    fp8_rowwise = _count("fp8_rowwise")
+    """Row-wise scales (``rowwise``, ``rowwise_gw_hp``)."""
+    fp8_wgrad_hp = _count("fp8_wgrad_hp")
+    """Weight-gradient GEMMs in 16-bit (``rowwise_gw_hp``)."""
+    fp8_mx = _count("fp8_mx")
+    """MX block scales (``mxfp8``)."""
     # parallel degrees
     dp = _sym("dp")
     tp = _sym("tp")
@@ -112,6 +119,8 @@ class Symbols:
     hbm_bandwidth = _real("hbm_bandwidth")
     host_bandwidth = _real("host_bandwidth")
     """GPU-host link, bytes/s per GPU and direction (activation offload)."""
+    rowwise_gemm_speed = _real("rowwise_gemm_speed")
+    mxfp8_gemm_speed = sp.Symbol("mxfp8_gemm_speed", nonnegative=True)
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
@@ -159,6 +168,8 @@ HARDWARE_SYMBOLS = (
     "measured_efficiency",
     "hbm_bandwidth",
     "host_bandwidth",
+    "rowwise_gemm_speed",
+    "mxfp8_gemm_speed",
     "gemm_efficiency",
     "fp8_gemm_efficiency",
     "fp4_gemm_efficiency",

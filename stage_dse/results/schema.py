@@ -42,7 +42,8 @@ LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_byt
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
     "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
-    "ep", "ep_data", "virtual_stages", "offload_layers", "gpus_per_node", "pod_gpus", "zero_stage",
+    "ep", "ep_data", "virtual_stages", "offload_layers", "fp8_rowwise", "fp8_wgrad_hp", "fp8_mx",
+    "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
     *STAGE_SYMBOLS,
@@ -145,11 +146,20 @@ def _stable64(text: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big"))
 
 
+FP8_RECIPE_COLUMNS = ("fp8_rowwise", "fp8_wgrad_hp", "fp8_mx")
+"""The FP8 scaling recipe's 0/1 columns (all 0 for per-tensor scaling and 16-bit GEMMs)."""
 PLAN_CONFIG = {
     "num_gpus", "micro_batch", "dp", "tp", "pp", "cp", "ep", "virtual_stages", *PLAN_KEY_COLUMNS,
     *PLAN_LABEL_COLUMNS, *STAGE_SYMBOLS,
 }  # fmt: skip
-_HASHED_APART = ("fused_elementwise", "offload_layers", "host_bandwidth")
+_HASHED_APART = (
+    "fused_elementwise",
+    "offload_layers",
+    "host_bandwidth",
+    *FP8_RECIPE_COLUMNS,
+    "rowwise_gemm_speed",
+    "mxfp8_gemm_speed",
+)
 """Config columns hashed only where they differ from the default (older rows keep their hashes)."""
 HASH_ORDER: tuple[str, ...] = (
     *(c for c in CONFIG_COLUMNS if c not in PLAN_CONFIG and c not in _HASHED_APART),
@@ -194,6 +204,18 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                 extra = _mix(h ^ (_hash_input(pd.Series(layers), False) + _GOLDEN))
                 link = _hash_input(source["host_bandwidth"], False)
                 h = np.where(layers > 0, _mix(extra ^ (link + np.uint64(2) * _GOLDEN)), h)
+        # an FP8 recipe other than per-tensor scaling, with the kernel speeds it runs at
+        # (absent or tensorwise: as before)
+        if all(c in source for c in FP8_RECIPE_COLUMNS):
+            flags = [np.nan_to_num(np.asarray(source[c], dtype=float)) for c in FP8_RECIPE_COLUMNS]
+            scaled = np.any([f > 0 for f in flags], axis=0)
+            if np.any(scaled):
+                extra = _mix(h ^ _stable64("fp8_recipe"))
+                columns = (*FP8_RECIPE_COLUMNS, "rowwise_gemm_speed", "mxfp8_gemm_speed")
+                for i, c in enumerate(columns):
+                    v = _hash_input(source[c], False)
+                    extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
+                h = np.where(scaled, extra, h)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
+from stage_dse.cost.bind import fp8_recipe_values
 from stage_dse.results.schema import config_hash_u64
 from stage_dse.results.store import ResultStore, among, as_arrow, new_run_id
 from stage_dse.runner.aggregate import SUMMARY_COLUMNS, TIE_REL, RunSummary
@@ -465,6 +466,11 @@ def rows_of_run(
     if training is not None:
         keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
         keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
+        for col, value in fp8_recipe_values(training).items():  # rows before recipes: 0
+            if col in df:
+                keep &= df[col].fillna(0) == value
+            elif value:
+                keep &= False
     return df[keep]
 
 

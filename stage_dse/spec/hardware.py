@@ -116,6 +116,12 @@ class HardwareSpec:
     host_bandwidth_bytes_per_s: float = 64e9
     """GPU-host link per GPU and direction, bytes/s, where activation offload copies (PCIe
     Gen5 x16 by default; NVLink-C2C on Grace superchips)."""
+    rowwise_gemm_speed: float = 1.0
+    """Row-wise-scaled FP8 GEMM kernel's throughput over the per-tensor-scaled one on this GPU
+    (``fp8_recipe=rowwise``, :class:`~stage_dse.spec.training.Fp8Recipe`)."""
+    mxfp8_gemm_speed: float = 0.0
+    """MXFP8 block-scaled GEMM's throughput over the per-tensor FP8 one (0: no block-scaled
+    tensor cores, ``fp8_recipe=mxfp8`` is refused)."""
     measured_gpu: str = ""
     """``timing=measured``: the table set of measured kernels (``a100_sxm``, ``h100_sxm``, ...;
     empty: :data:`stage_dse.kernels.tables.GPU_TABLES` by preset name; ``none``: no tables)."""
@@ -136,6 +142,7 @@ class HardwareSpec:
             "memory_efficiency",
             "sustained_clock",
             "measured_efficiency",
+            "rowwise_gemm_speed",
         ):
             _fraction(owner, f, getattr(self, f))
         if not self.fp8_gemm_efficiency:
@@ -162,6 +169,8 @@ class HardwareSpec:
             "elementwise_floor_s",
         ):
             non_negative_number(owner, f, getattr(self, f))
+        if self.mxfp8_gemm_speed:
+            _fraction(owner, "mxfp8_gemm_speed", self.mxfp8_gemm_speed)
         if self.overlap_slowdown >= 1:
             raise ConfigError(f"hardware.overlap_slowdown must be < 1, got {self.overlap_slowdown}")
         if self.memory_reserve_bytes >= self.hbm_bytes:

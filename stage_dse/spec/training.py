@@ -23,7 +23,7 @@ from enum import StrEnum
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import coerce_enum, positive_int
 
-__all__ = ["DType", "Optimizer", "TrainingSpec", "check_gemm_dtype"]
+__all__ = ["DType", "Fp8Recipe", "Optimizer", "TrainingSpec", "check_gemm_dtype"]
 
 
 class DType(StrEnum):
@@ -67,6 +67,43 @@ class Optimizer(StrEnum):
         return {"adam": 2, "sgd_momentum": 1}[self.value]
 
 
+class Fp8Recipe(StrEnum):
+    """How FP8 GEMM inputs are scaled (only with ``gemm_dtype=fp8``).
+
+    * ``tensorwise``: one scale per tensor (Transformer Engine's delayed and current scaling,
+      torchao's ``tensorwise``); the GEMMs are cuBLAS's per-tensor-scaled kernels and the
+      weight gradient reuses the FP8 copies made for the forward and input-gradient GEMMs.
+    * ``rowwise``: one scale per row of each operand (torchao ``rowwise``). The forward GEMM
+      is PyTorch's CUTLASS row-wise kernel (fast accumulation), at ``rowwise_gemm_speed`` of
+      the per-tensor kernel on the same GPU ("most shapes within 90-100% of tensor-wise
+      efficiency, ... a long tail going down to 50%", pytorch/pytorch#147971). The backward
+      GEMMs accumulate in full precision, which torchao runs as the per-tensor cuBLAS kernel
+      followed by a rescale kernel over the output ("The rowwise CUTLASS-based kernel is so
+      slow without fast-accum that we'd rather use the tensorwise cuBLAS-based kernel and do
+      the scaling manually afterwards", ``torchao/float8/float8_ops.py``, pytorch/ao#1377,
+      2024-12; one extra kernel per GEMM, pytorch/ao#2184). Scales run along the token axis in
+      the weight gradient, so its operands are quantized again from the 16-bit tensors, which
+      are kept for backward instead of FP8 copies; the input gradient re-quantizes the weight
+      along its other axis.
+    * ``rowwise_gw_hp``: as ``rowwise`` with the weight-gradient GEMM in 16-bit (torchao
+      ``rowwise_with_gw_hp``).
+    * ``mxfp8``: OCP MX block scaling, one E8M0 scale per 32 values (Transformer Engine
+      ``MXFP8BlockScaling``, torchao ``mxfp8``), on tensor cores with block-scaled MMA
+      (Blackwell) at ``mxfp8_gemm_speed`` of the per-tensor kernel; each quantize kernel
+      writes a row-wise and a column-wise copy (blocks run along the reduction axis of the
+      GEMM that consumes them); backward keeps the column-wise one.
+    """
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    ROWWISE_GW_HP = "rowwise_gw_hp"
+    MXFP8 = "mxfp8"
+
+    @property
+    def rowwise(self) -> bool:
+        return self in (Fp8Recipe.ROWWISE, Fp8Recipe.ROWWISE_GW_HP)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     """One training step: ``global_batch_size`` sequences of ``seq_len`` tokens."""
@@ -87,6 +124,9 @@ class TrainingSpec:
     """Inputs of the linear layers' GEMMs (forward, input and weight gradients). ``fp8`` runs
     them on FP8 tensor cores and caches the activations they keep for backward in FP8
     (Transformer Engine; DeepSeek-V3 technical report sec. 3.3); attention stays 16-bit."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
+    """How FP8 GEMM inputs are scaled (:class:`Fp8Recipe`); only ``tensorwise`` with 16-bit
+    GEMMs."""
     serving_view: bool = False
     """The step a serving pass binds its symbols from (:meth:`ServingSpec.step_like`): forward
     only, so weights and GEMMs may take the 4-bit formats; a training step may not."""
@@ -114,6 +154,14 @@ class TrainingSpec:
         object.__setattr__(
             self, "optimizer", coerce_enum(Optimizer, owner, "optimizer", self.optimizer)
         )
+        object.__setattr__(
+            self, "fp8_recipe", coerce_enum(Fp8Recipe, owner, "fp8_recipe", self.fp8_recipe)
+        )
+        if self.fp8_recipe is not Fp8Recipe.TENSORWISE and not self.fp8_gemms:
+            raise ConfigError(
+                f"training.fp8_recipe={self.fp8_recipe.value} scales FP8 GEMMs, but "
+                f"gemm_dtype={self.gemm_dtype.value}: set gemm_dtype=fp8 or fp8_recipe=tensorwise"
+            )
         if not self.serving_view:
             for field in ("params_dtype", "grads_dtype", "master_dtype", "optimizer_state_dtype"):
                 value = getattr(self, field)
@@ -154,4 +202,10 @@ def check_gemm_dtype(training: TrainingSpec, hardware) -> None:
         raise ConfigError(
             f"training.gemm_dtype=fp8 needs FP8 tensor cores; hardware {hardware.name} has none "
             "(its peak_fp8_tflops is 0): use gemm_dtype=bf16 or other hardware"
+        )
+    if training.fp8_recipe is Fp8Recipe.MXFP8 and hardware.mxfp8_gemm_speed <= 0:
+        raise ConfigError(
+            f"training.fp8_recipe=mxfp8 needs block-scaled (MX) tensor cores; hardware "
+            f"{hardware.name} has none (its mxfp8_gemm_speed is 0): use fp8_recipe=tensorwise "
+            "or rowwise"
         )

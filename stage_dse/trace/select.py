@@ -36,6 +36,15 @@ TRACES_DIR = "_traces"
 DTYPE_OF_BYTES = {1: "fp8", 2: "bf16", 4: "fp32"}
 
 
+def _fp8_recipe(row) -> str:
+    """The FP8 scaling recipe of a row from its 0/1 columns (rows before recipes: per-tensor)."""
+    if _given(row, "fp8_mx", 0):
+        return "mxfp8"
+    if _given(row, "fp8_rowwise", 0):
+        return "rowwise_gw_hp" if _given(row, "fp8_wgrad_hp", 0) else "rowwise"
+    return "tensorwise"
+
+
 def _given(row, column: str, default: float) -> float:
     """A column of a row, or ``default`` where the row predates it (absent or null)."""
     value = row.get(column)
@@ -92,6 +101,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         grads_dtype=DTYPE_OF_BYTES[int(row["grad_bytes"])],
         optimizer="adam" if opt_bytes == 12 else "sgd_momentum",
         gemm_dtype="fp8" if int(row["gemm_bytes"]) == 1 else "bf16",
+        fp8_recipe=_fp8_recipe(row),
     )
     plan = ParallelPlan(
         dp=int(row["dp"]),
@@ -141,6 +151,8 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         attention_floor_s=float(row["attention_floor_s"]),
         elementwise_floor_s=float(row["elementwise_floor_s"]),
         host_bandwidth_bytes_per_s=float(_given(row, "host_bandwidth", 64e9)),
+        rowwise_gemm_speed=float(_given(row, "rowwise_gemm_speed", 1.0)),
+        mxfp8_gemm_speed=float(_given(row, "mxfp8_gemm_speed", 0.0)),
     )
     cluster = ClusterSpec(
         name=str(row["cluster"]),

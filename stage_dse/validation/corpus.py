@@ -84,6 +84,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "shard_group": INT,
     "recompute": TEXT,
     "precision": TEXT,
+    "fp8_recipe": TEXT,
     "grads": TEXT,
     "attention": TEXT,
     "sequence_parallel": BOOL,

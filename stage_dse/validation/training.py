@@ -122,13 +122,17 @@ def training_setup(case: Case) -> TrainingSetup:
     precision = f.get("precision", "bf16")
     if precision not in ("bf16", "fp16", "fp8"):
         raise Unexpressible(f"precision {precision!r} (training GEMMs in bf16, fp16 or fp8 only)")
-    training = TrainingSpec(
-        seq_len=f["seq_len"],
-        global_batch_size=f["global_batch"],
-        # the record's stated gradient precision, else the framework's, else 16-bit
-        grads_dtype=f.get("grads") or framework.grads(DType.BF16),
-        gemm_dtype="fp8" if precision == "fp8" else "bf16",
-    )
+    try:
+        training = TrainingSpec(
+            seq_len=f["seq_len"],
+            global_batch_size=f["global_batch"],
+            # the record's stated gradient precision, else the framework's, else 16-bit
+            grads_dtype=f.get("grads") or framework.grads(DType.BF16),
+            gemm_dtype="fp8" if precision == "fp8" else "bf16",
+            fp8_recipe=f.get("fp8_recipe", "tensorwise"),
+        )
+    except ConfigError as exc:
+        raise CorpusError(f"{label}: {exc}") from None
     for key in ("recompute", "zero"):
         value = f.get(key)
         if key == "recompute" and value not in (None, "none", "selective", "full", "op"):
