@@ -79,7 +79,8 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     16-bit GEMMs and ``tensorwise``.
 
     Speed: MXFP8 GEMMs at ``mxfp8_gemm_speed``; row-wise forward GEMMs at
-    ``rowwise_gemm_speed`` (the backward ones run the per-tensor kernel). Added kernels under
+    ``rowwise_gemm_speed`` (the backward ones run the per-tensor kernel). Added bytes under
+    MXFP8: the column-wise copy each quantize kernel writes too. Added kernels under
     row-wise scales: every backward FP8 GEMM rescales its 16-bit output (read and write); the
     input gradient quantizes the weight along its other axis; the weight gradient quantizes
     both operands along the token axis from their 16-bit copies."""
@@ -87,9 +88,11 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     row, mx = S.fp8_rowwise, S.fp8_mx
     forward = op.phase is Phase.FORWARD
     speed = 1 - mx * (1 - S.mxfp8_gemm_speed) - (row * (1 - S.rowwise_gemm_speed) if forward else 0)
-    if forward:
-        return 1 - w8 * (1 - speed), sp.Integer(0)
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
+    # MXFP8: the quantize kernel writes a column-wise copy beside the row-wise one
+    copy = mx * S.gemm_bytes * _fp8_quantized_numel(op) / bandwidth
+    if forward:
+        return 1 - w8 * (1 - speed), w8 * copy
 
     def kernel(nbytes: sp.Expr) -> sp.Expr:
         return _max(nbytes / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
@@ -101,7 +104,7 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     else:
         weights = _sum(t.local_numel for t in op.inputs if t.role is Role.WEIGHT)
         added = rescale + kernel(quantize * weights)
-    return 1 - w8 * (1 - speed), w8 * row * added
+    return 1 - w8 * (1 - speed), w8 * (copy + row * added)
 
 
 def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Expr:
@@ -187,9 +190,8 @@ def _gemm_time(
         fp8 = _min(tokens / (tokens + 2 * S.gemm_half_dim), width / (width + S.fp8_gemm_half_dim))
         eff = eff * ((1 - w8) * shape + w8 * fp8)
         numel = _fp8_quantized_numel(op)
-        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes (MX: twice,
-            # a row-wise and a column-wise copy)
-            streamed = (2 + S.gemm_bytes * (1 + S.fp8_mx)) * numel
+        if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
+            streamed = (2 + S.gemm_bytes) * numel
             kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
             quantize = (1 - w16) * kernel
         quantize = quantize + added
