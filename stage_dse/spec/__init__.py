@@ -15,12 +15,13 @@ from stage_dse.spec.plan import (
     validate_plan,
 )
 from stage_dse.spec.sweep import OptunaSpec, SearchSpace, ServingJob, ServingSweepSpec, SweepSpec
-from stage_dse.spec.training import DType, Optimizer, TrainingSpec, check_gemm_dtype
+from stage_dse.spec.training import DType, Fp8Recipe, Optimizer, TrainingSpec, check_gemm_dtype
 
 __all__ = [
     "AttentionKernel",
     "ClusterSpec",
     "DType",
+    "Fp8Recipe",
     "HardwareSpec",
     "MeshAxis",
     "MlpKind",
