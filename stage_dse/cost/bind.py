@@ -47,16 +47,16 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         **moe_values(model),
         "global_batch": training.global_batch_size,
         "gemm_bytes": training.gemm_dtype.bytes,
-        **fp8_recipe_values(training),
+        **fp8_recipe_values(training.fp8_recipe),
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
     }
 
 
-def fp8_recipe_values(training: TrainingSpec) -> dict[str, int]:
-    """The FP8 scaling recipe's 0/1 symbols (all 0 for ``tensorwise`` and 16-bit GEMMs)."""
-    recipe = training.fp8_recipe
+def fp8_recipe_values(recipe: Fp8Recipe) -> dict[str, int]:
+    """The FP8 scaling recipe's 0/1 symbols (all 0 for ``tensorwise``, the recipe of 16-bit
+    GEMMs)."""
     return {
         "fp8_rowwise": int(recipe.rowwise),
         "fp8_wgrad_hp": int(recipe is Fp8Recipe.ROWWISE_GW_HP),

@@ -73,6 +73,13 @@ def gemm_precision_weights(op: Op | None = None) -> tuple[sp.Expr, sp.Expr, sp.E
     return w16, 1 - w16 - w4, w4
 
 
+def _streaming_kernel(nbytes: sp.Expr) -> sp.Expr:
+    """Seconds of a streaming kernel (quantize, rescale) moving ``nbytes`` through HBM: never
+    below the element-wise floor, plus its launch."""
+    bandwidth = S.hbm_bandwidth * S.memory_efficiency
+    return _max(nbytes / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
+
+
 def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     """(kernel speed, seconds of added kernels) of a linear GEMM under the FP8 scaling recipe,
     against per-tensor scaling (:class:`~stage_dse.spec.training.Fp8Recipe`); (1, 0) for
@@ -93,17 +100,13 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     copy = mx * S.gemm_bytes * _fp8_quantized_numel(op) / bandwidth
     if forward:
         return 1 - w8 * (1 - speed), w8 * copy
-
-    def kernel(nbytes: sp.Expr) -> sp.Expr:
-        return _max(nbytes / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
-
     quantize = 2 + S.gemm_bytes  # read 16-bit, write FP8
-    rescale = kernel(4 * op.outputs[0].local_numel)
+    rescale = _streaming_kernel(4 * op.outputs[0].local_numel)
     if op.outputs[0].role is Role.GRAD:
-        added = rescale + _sum(kernel(quantize * t.local_numel) for t in op.inputs)
+        added = rescale + _sum(_streaming_kernel(quantize * t.local_numel) for t in op.inputs)
     else:
         weights = _sum(t.local_numel for t in op.inputs if t.role is Role.WEIGHT)
-        added = rescale + kernel(quantize * weights)
+        added = rescale + _streaming_kernel(quantize * weights)
     return 1 - w8 * (1 - speed), w8 * (copy + row * added)
 
 
@@ -191,9 +194,7 @@ def _gemm_time(
         eff = eff * ((1 - w8) * shape + w8 * fp8)
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
-            streamed = (2 + S.gemm_bytes) * numel
-            kernel = _max(streamed / bandwidth, S.elementwise_floor_s) + S.kernel_launch_s
-            quantize = (1 - w16) * kernel
+            quantize = (1 - w16) * _streaming_kernel((2 + S.gemm_bytes) * numel)
         quantize = quantize + added
     flops = op.flops * load
     gemm = _max(flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)

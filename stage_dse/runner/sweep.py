@@ -466,7 +466,7 @@ def rows_of_run(
     if training is not None:
         keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
         keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
-        for col, value in fp8_recipe_values(training).items():  # rows before recipes: 0
+        for col, value in fp8_recipe_values(training.fp8_recipe).items():  # rows before recipes: 0
             if col in df:
                 keep &= df[col].fillna(0) == value
             elif value:

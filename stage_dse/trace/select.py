@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from stage_dse.cost.bind import fp8_recipe_values
 from stage_dse.errors import ConfigError
-from stage_dse.spec import ClusterSpec, HardwareSpec, ModelSpec, ParallelPlan, TrainingSpec
+from stage_dse.results.schema import FP8_RECIPE_COLUMNS
+from stage_dse.spec import (
+    ClusterSpec,
+    Fp8Recipe,
+    HardwareSpec,
+    ModelSpec,
+    ParallelPlan,
+    TrainingSpec,
+)
 from stage_dse.trace.build import TraceConfig
 from stage_dse.trace.write import write_trace_set
 
@@ -36,13 +45,10 @@ TRACES_DIR = "_traces"
 DTYPE_OF_BYTES = {1: "fp8", 2: "bf16", 4: "fp32"}
 
 
-def _fp8_recipe(row) -> str:
-    """The FP8 scaling recipe of a row from its 0/1 columns (rows before recipes: per-tensor)."""
-    if _given(row, "fp8_mx", 0):
-        return "mxfp8"
-    if _given(row, "fp8_rowwise", 0):
-        return "rowwise_gw_hp" if _given(row, "fp8_wgrad_hp", 0) else "rowwise"
-    return "tensorwise"
+def _fp8_recipe(row) -> Fp8Recipe:
+    """The FP8 scaling recipe whose 0/1 columns the row holds (rows before recipes: per-tensor)."""
+    flags = {c: int(_given(row, c, 0)) for c in FP8_RECIPE_COLUMNS}
+    return next(r for r in Fp8Recipe if fp8_recipe_values(r) == flags)
 
 
 def _given(row, column: str, default: float) -> float:
