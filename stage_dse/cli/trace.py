@@ -65,7 +65,7 @@ def _spec_row(plan: ParallelPlan, layers: int, num_gpus: int, **extra) -> dict:
         "micro_batch": plan.micro_batch_size,
         "zero_stage": plan.zero_stage,
         "sequence_parallel": plan.sequence_parallel,
-        "recompute": str(getattr(plan.recompute, "value", plan.recompute)),
+        "recompute": plan.recompute_label,
         **extra,
     }
 

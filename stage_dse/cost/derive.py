@@ -136,7 +136,11 @@ class SectionCosts:
     comm_per_step: dict[tuple[CollKind, frozenset[MeshAxis]], sp.Expr]
 
 
-def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts:
+def section_costs(
+    graph: Graph, tied_copy: Tensor | None = None, modules: tuple[str, ...] = ()
+) -> SectionCosts:
+    """A section's sizes, flops and collectives under every recompute mode (``modules``: the
+    Megatron-Core modules :attr:`Recompute.SELECTIVE` reruns; empty, the attention core)."""
     stored = list(graph.weights)
     unique = [w for w in stored if w is not tied_copy]
     params = _sum([w.numel for w in unique])
@@ -153,7 +157,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     working: dict[Recompute, sp.Expr] = {}
     none_bytes = kept_bytes(graph, kept_activations(graph, Recompute.NONE))
     for mode in Recompute:
-        kept[mode] = kept_bytes(graph, kept_activations(graph, mode))
+        kept[mode] = kept_bytes(graph, kept_activations(graph, mode, modules))
         # while a layer is rerun, its dropped tensors exist again until its backward finishes
         working[mode] = none_bytes - kept[mode] if _is_block(graph) else sp.Integer(0)
 
@@ -168,7 +172,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
     mm: dict[Recompute, sp.Expr] = {}
     local: dict[Recompute, sp.Expr] = {}
     for mode in Recompute:
-        rerun = recomputed_ops(graph, mode)
+        rerun = recomputed_ops(graph, mode, modules)
         mm[mode] = base_mm + _sum([op.global_flops for op in rerun if op.matmul])
         hw[mode] = base_global + _sum([op.global_flops for op in rerun])
         local[mode] = base_local + _sum([op.flops for op in rerun])
@@ -179,7 +183,7 @@ def section_costs(graph: Graph, tied_copy: Tensor | None = None) -> SectionCosts
         lambda: sp.Integer(0)
     )
     for mode in Recompute:
-        rerun_comm = [op for op in recomputed_ops(graph, mode) if op.is_comm]
+        rerun_comm = [op for op in recomputed_ops(graph, mode, modules) if op.is_comm]
         for op in [o for o in graph.ops if o.is_comm] + rerun_comm:
             key = (op.coll, op.group)
             size = _active(op.group) * op.comm_bytes
@@ -216,6 +220,7 @@ class CostKey:
     graph: GraphKey
     recompute: Recompute
     schedule: PipelineSchedule
+    recompute_modules: tuple[str, ...] = ()
     rank_order: tuple[MeshAxis, ...] = (
         MeshAxis.TP,
         MeshAxis.CP,
@@ -237,6 +242,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         graph=graph_key(model, plan, training),
         recompute=plan.recompute,
         schedule=plan.schedule,
+        recompute_modules=plan.recompute_modules,
         rank_order=plan.rank_order,
         overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
@@ -286,7 +292,7 @@ def _heaviest(totals: list[sp.Expr], i: int) -> sp.Boolean:
 def derive(key: CostKey) -> TrainingCosts:
     """All cost expressions of a model family under one plan structure (cached)."""
     # memory, flops and bytes do not depend on rank order or overlap: share one derivation
-    return _derive(CostKey(key.graph, key.recompute, key.schedule))
+    return _derive(CostKey(key.graph, key.recompute, key.schedule, key.recompute_modules))
 
 
 @lru_cache(maxsize=512)
@@ -295,10 +301,11 @@ def _derive(key: CostKey) -> TrainingCosts:
 
     graphs: ModelGraphs = _build(key.graph)
     mode = key.recompute
+    modules = key.recompute_modules
     emb = section_costs(graphs.embed)
-    blk = section_costs(graphs.block)
-    dns = section_costs(graphs.dense) if graphs.dense is not None else None
-    win = section_costs(graphs.windowed) if graphs.windowed is not None else None
+    blk = section_costs(graphs.block, modules=modules)
+    dns = section_costs(graphs.dense, modules=modules) if graphs.dense is not None else None
+    win = section_costs(graphs.windowed, modules=modules) if graphs.windowed is not None else None
     head = section_costs(graphs.head, tied_copy=graphs.tied_head_weight)
 
     L, pp, v = S.layers, S.pp, S.virtual_stages

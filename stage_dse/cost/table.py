@@ -36,9 +36,9 @@ from stage_dse.spec import (
     ParallelPlan,
     PipelineSchedule,
     PositionKind,
-    Recompute,
     TrainingSpec,
     check_gemm_dtype,
+    parse_recompute,
     validate_plan,
 )
 
@@ -133,9 +133,11 @@ def _key_of(values: tuple) -> CostKey:
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
     )
+    recompute, modules = parse_recompute(v["recompute"])
     return CostKey(
         graph=graph,
-        recompute=Recompute(v["recompute"]),
+        recompute=recompute,
+        recompute_modules=modules,
         schedule=PipelineSchedule(v["schedule"]),
         rank_order=tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
@@ -207,7 +209,7 @@ def config_row(
             "sequence_parallel": plan.sequence_parallel,
             "attention": plan.attention.value,
             "zero_stage": plan.zero_stage,
-            "recompute": plan.recompute.value,
+            "recompute": plan.recompute_label,
             "schedule": plan.schedule.value,
             "stage_layers": plan.stage_layers,
             "rank_order": "-".join(a.value for a in plan.rank_order),

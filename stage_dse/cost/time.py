@@ -272,7 +272,7 @@ def _per_tensor_time(op: Op, order, kernels: KernelSet | None) -> sp.Expr:
 
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
     order = key.rank_order
-    rerun = recomputed_ops(graph, key.recompute)
+    rerun = recomputed_ops(graph, key.recompute, key.recompute_modules)
     savings = _fusion_savings(graph)
     partners = async_partners(graph)
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]

@@ -30,6 +30,7 @@ from stage_dse.spec import (
     TrainingSpec,
 )
 from stage_dse.spec.framework import PLAN_FLAGS
+from stage_dse.spec.plan import check_recompute_modules, parse_recompute
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
 
@@ -268,6 +269,9 @@ def plan_grid(
     mb = grid("micro_batch").astype(np.int64)
     offload = grid("offload_layers").astype(np.int64)
     recompute = grid("recompute", [r != "none" for r in axes["recompute"]]).astype(bool)
+    absent_module = grid(
+        "recompute", [_absent_module(model, r) is not None for r in axes["recompute"]]
+    ).astype(bool)
     v = grid("virtual_stages").astype(np.int64)
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
@@ -302,6 +306,7 @@ def plan_grid(
         (f"offload_layers must be below layers({L})", offload >= L),
         ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),
         ("offload_layers needs recompute=none", (offload > 0) & recompute),
+        (f"recompute names a module {model.name} does not have", absent_module),
     ]
     ok = np.ones(shape, dtype=bool)
     rejected: Counter = Counter()
@@ -363,3 +368,12 @@ def enumerate_plans(
         rejected=grid.rejected,
         valid=grid.valid,
     )
+
+
+def _absent_module(model: ModelSpec, label: str) -> str | None:
+    """The message if a recompute label names a module the model lacks, else None."""
+    try:
+        check_recompute_modules(model, parse_recompute(label)[1])
+    except ConfigError as exc:
+        return str(exc)
+    return None

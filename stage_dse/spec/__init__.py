@@ -7,17 +7,20 @@ Nothing here does I/O or computes a cost; presets are loaded by :mod:`stage_dse.
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import MlpKind, ModelSpec, NormKind, PositionKind
 from stage_dse.spec.plan import (
+    RECOMPUTE_MODULES,
     AttentionKernel,
     MeshAxis,
     ParallelPlan,
     PipelineSchedule,
     Recompute,
+    parse_recompute,
     validate_plan,
 )
 from stage_dse.spec.sweep import OptunaSpec, SearchSpace, ServingJob, ServingSweepSpec, SweepSpec
 from stage_dse.spec.training import DType, Fp8Recipe, Optimizer, TrainingSpec, check_gemm_dtype
 
 __all__ = [
+    "RECOMPUTE_MODULES",
     "AttentionKernel",
     "ClusterSpec",
     "DType",
@@ -39,5 +42,6 @@ __all__ = [
     "SweepSpec",
     "TrainingSpec",
     "check_gemm_dtype",
+    "parse_recompute",
     "validate_plan",
 ]

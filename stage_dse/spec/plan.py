@@ -28,11 +28,13 @@ from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
 
 __all__ = [
+    "RECOMPUTE_MODULES",
     "AttentionKernel",
     "MeshAxis",
     "ParallelPlan",
     "PipelineSchedule",
     "Recompute",
+    "parse_recompute",
     "validate_plan",
 ]
 
@@ -61,6 +63,62 @@ class Recompute(StrEnum):
     attention, of reduce-scatters and of every other matmul (the 1st, 3rd, ... of a layer's
     forward); rerun everything else (the other matmuls, norms, rotary, activations) in
     backward."""
+
+
+RECOMPUTE_MODULES: tuple[str, ...] = (
+    "core_attn",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "moe_act",
+    "shared_experts",
+)
+"""Megatron-Core's selective-recompute modules (``TransformerConfig.recompute_modules``, used
+with ``recompute_granularity="selective"``; its default is ``["core_attn"]``, the attention core
+:attr:`Recompute.SELECTIVE` reruns): ``core_attn`` the attention core; ``layernorm`` the input
+and pre-MLP norms, whose outputs are dropped and rebuilt from their inputs; ``mla_up_proj`` the
+latent-attention up-projections and rotary embedding, whose outputs (the attention's query, key
+and value) are dropped; ``moe_act`` the routed experts' activation, whose output is dropped;
+``mlp`` the dense MLP, ``moe`` the whole mixture-of-experts layer (router, dispatch, experts,
+combine, shared experts) and ``shared_experts`` the shared experts, each checkpointed: only its
+input is kept and its forward, collectives included, reruns in backward."""
+
+
+def parse_recompute(value: object, modules: object = ()) -> tuple[Recompute, tuple[str, ...]]:
+    """A recompute choice and its module list, from a mode (``"full"``) or a label naming
+    Megatron-Core modules (``"selective:mla_up_proj+moe_act"``); the list comes back in
+    :data:`RECOMPUTE_MODULES` order, empty for the default attention core."""
+    if isinstance(value, str) and ":" in value:
+        value, named = value.split(":", 1)
+        if modules:
+            raise ConfigError(
+                f"plan.recompute={value}:{named} names its modules; drop recompute_modules"
+            )
+        modules = [m for m in named.split("+") if m]
+    mode = coerce_enum(Recompute, "plan", "recompute", value)
+    if isinstance(modules, str):
+        modules = [m for m in modules.replace(",", "+").split("+") if m.strip()]
+    names = [str(m).strip() for m in (modules or ())]
+    for name in names:
+        if name not in RECOMPUTE_MODULES:
+            raise ConfigError(
+                f"plan.recompute_modules: unknown module {name!r} "
+                f"(one of: {', '.join(RECOMPUTE_MODULES)})"
+            )
+    if names and mode is not Recompute.SELECTIVE:
+        raise ConfigError(
+            f"plan.recompute_modules={'+'.join(names)} needs recompute=selective, "
+            f"got recompute={mode.value}"
+        )
+    ordered = tuple(m for m in RECOMPUTE_MODULES if m in names)
+    return mode, (() if ordered == ("core_attn",) else ordered)
+
+
+def recompute_label(mode: Recompute, modules: tuple[str, ...]) -> str:
+    """The label of a recompute choice in result rows and sweeps: the mode, or
+    ``selective:<module>+<module>`` for a Megatron-Core module list."""
+    return f"{mode.value}:{'+'.join(modules)}" if modules else mode.value
 
 
 class AttentionKernel(StrEnum):
@@ -127,6 +185,10 @@ class ParallelPlan:
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     recompute: Recompute = Recompute.NONE
+    recompute_modules: tuple[str, ...] = ()
+    """Under ``recompute=selective``, the Megatron-Core modules recomputed
+    (:data:`RECOMPUTE_MODULES`); empty: the attention core alone (Megatron-Core's default).
+    ``recompute`` may name them itself: ``"selective:mla_up_proj+moe_act"``."""
     attention: AttentionKernel = AttentionKernel.FLASH
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
@@ -208,9 +270,9 @@ class ParallelPlan:
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
-        object.__setattr__(
-            self, "recompute", coerce_enum(Recompute, owner, "recompute", self.recompute)
-        )
+        mode, modules = parse_recompute(self.recompute, self.recompute_modules)
+        object.__setattr__(self, "recompute", mode)
+        object.__setattr__(self, "recompute_modules", modules)
         object.__setattr__(
             self, "attention", coerce_enum(AttentionKernel, owner, "attention", self.attention)
         )
@@ -254,6 +316,11 @@ class ParallelPlan:
             )
 
     @property
+    def recompute_label(self) -> str:
+        """``recompute`` as result rows and sweeps name it (:func:`recompute_label`)."""
+        return recompute_label(self.recompute, self.recompute_modules)
+
+    @property
     def model_parallel_size(self) -> int:
         """GPUs holding one replica of the model: tp * pp * cp."""
         return self.tp * self.pp * self.cp
@@ -280,6 +347,23 @@ def ep_fits_over_tp(ep: int, tp: int, dp: int) -> bool:
     """Whether ``ep`` expert ranks can span the tensor-parallel group (``ep_over_tp``): whole
     groups of ``tp``, taking ``ep / tp`` of the ``dp`` data-parallel ranks."""
     return tp > 1 and ep % tp == 0 and dp % (ep // tp) == 0
+
+
+def check_recompute_modules(model: ModelSpec, modules: tuple[str, ...]) -> None:
+    """Each recompute module names a part this model has."""
+    has = {
+        "mla_up_proj": (model.is_mla, "a latent-attention (MLA) model"),
+        "moe": (model.is_moe, "a mixture-of-experts model"),
+        "moe_act": (model.is_moe, "a mixture-of-experts model"),
+        "shared_experts": (model.num_shared_experts > 0, "shared experts"),
+        "mlp": (not model.is_moe or model.has_dense_layers, "dense-MLP layers"),
+    }
+    for name in modules:
+        present, what = has.get(name, (True, ""))
+        if not present:
+            raise ConfigError(
+                f"plan.recompute_modules: {name} needs {what}; {model.name} has none (drop {name})"
+            )
 
 
 def validate_plan(
@@ -314,6 +398,7 @@ def validate_plan(
                 f"offload_layers({plan.offload_layers}) needs recompute=none, got "
                 f"recompute={plan.recompute.value} (offloaded activations are kept, not recomputed)"
             )
+    check_recompute_modules(model, plan.recompute_modules)
     virtual_stage_layers(model.num_layers, plan.pp, plan.virtual_stages, plan.stage_layers)
     divides("cp", plan.cp, "seq", training.seq_len)
     if plan.sequence_parallel and training.seq_len % (plan.tp * plan.cp):

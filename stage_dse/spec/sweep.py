@@ -16,7 +16,7 @@ from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
-from stage_dse.spec.plan import AttentionKernel, MeshAxis, Recompute
+from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_recompute, recompute_label
 from stage_dse.spec.stages import normalize_stage_layers
 from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
 
@@ -112,9 +112,18 @@ class SearchSpace:
         for z in self.zero_stage:
             if z not in (0, 1, 2, 3):
                 raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")
+        labels = []
         for r in self.recompute:
-            if r not in {m.value for m in Recompute}:
+            if not isinstance(r, str):
                 raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full, op")
+            try:
+                labels.append(recompute_label(*parse_recompute(r)))
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{exc} (plan.recompute values: none, selective, full, op, or "
+                    "selective:<module>+<module>)"
+                ) from None
+        object.__setattr__(self, "recompute", tuple(dict.fromkeys(labels)))
         for a in self.attention:
             if a not in {m.value for m in AttentionKernel}:
                 raise ConfigError(

@@ -98,7 +98,7 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
     fwd = {g: [op for op in g.ops if op.phase is Phase.FORWARD] for g in graphs.sections}
     bwd = {g: [op for op in g.ops if op.phase is Phase.BACKWARD] for g in graphs.sections}
     partners = {g: async_partners(g) if plan.tp_dgrad_overlap else {} for g in graphs.sections}
-    rerun = {g: recomputed_ops(g, key.recompute) for g in graphs.sections}
+    rerun = {g: recomputed_ops(g, key.recompute, key.recompute_modules) for g in graphs.sections}
     # data-parallel collectives move one flat buffer per layer and kind, as the cost model
     # times them (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets)
     step_sync = {

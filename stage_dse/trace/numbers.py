@@ -130,7 +130,7 @@ def trace_family(key: CostKey, grad_bytes: int) -> TraceFamily:
             named += [size, embedding_sync_time(size, key.rank_order)]
         for section in sections:
             tied = graphs.tied_head_weight if section == "head" else None
-            sc = section_costs(getattr(graphs, section), tied)
+            sc = section_costs(getattr(graphs, section), tied, key.recompute_modules)
             named += [sc.compute_flops[key.recompute], sc.optimizer_flops]
         return op_expressions(list(ops), key.rank_order) + [sp.sympify(e) for e in named]
 

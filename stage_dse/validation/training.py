@@ -36,7 +36,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import even_domain_share
-from stage_dse.spec.plan import DEFAULT_RANK_ORDER, ep_fits_over_tp
+from stage_dse.spec.plan import DEFAULT_RANK_ORDER, ep_fits_over_tp, parse_recompute
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -135,8 +135,11 @@ def training_setup(case: Case) -> TrainingSetup:
         raise CorpusError(f"{label}: {exc}") from None
     for key in ("recompute", "zero"):
         value = f.get(key)
-        if key == "recompute" and value not in (None, "none", "selective", "full", "op"):
-            raise Unexpressible(f"recompute {value!r} (none, selective, full or op of every layer)")
+        if key == "recompute" and value is not None and not _recompute_label(value):
+            raise Unexpressible(
+                f"recompute {value!r} (none, selective, selective:<Megatron-Core modules>, full "
+                "or op of every layer)"
+            )
         if key == "zero" and isinstance(value, str) and value not in ZERO_NAMES:
             raise Unexpressible(f"sharding {value!r} (ZeRO 0-3, {', '.join(ZERO_NAMES)})")
     if "shard_group" in f and f["shard_group"] != f.get("dp", f["shard_group"]):
@@ -214,6 +217,15 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     )
 
 
+def _recompute_label(value: object) -> bool:
+    """Whether a record's recompute names a mode (or Megatron-Core modules) the model has."""
+    try:
+        parse_recompute(value)
+    except ConfigError:
+        return False
+    return True
+
+
 def published_seconds(case: Case, model: ModelSpec, hardware) -> float:
     """The published figure as a step time (or layer time), seconds."""
     f, v = case.fields, case.value
@@ -244,7 +256,7 @@ def plan_label(plan: ParallelPlan) -> str:
         parts.append(f"v{plan.virtual_stages}")
     parts.append(f"mb{plan.micro_batch_size}")
     parts.append(f"zero{plan.zero_stage}")
-    parts.append(plan.recompute.value)
+    parts.append(plan.recompute_label)
     if plan.sequence_parallel:
         parts.append("sp")
     return " ".join(parts)
