@@ -223,6 +223,9 @@ def test_golden_trace_set(tmp_path):
         ParallelPlan(dp=2, cp=2, pp=2, zero_stage=3, recompute="full"),
         ParallelPlan(dp=4, pp=2, zero_stage=2, attention="materialized"),
         ParallelPlan(dp=2, tp=2, cp=2, zero_stage=3, sequence_parallel=True),
+        # Megatron-Core's refinements: one of each chunk's two layers; two modules
+        ParallelPlan(dp=2, pp=2, zero_stage=1, recompute="full:1"),
+        ParallelPlan(dp=2, tp=2, pp=2, sequence_parallel=True, recompute="selective:layernorm+mlp"),
     ],
 )
 def test_comp_flops_equal_the_analytic_total(tmp_path, plan):

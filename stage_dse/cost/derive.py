@@ -136,6 +136,12 @@ class SectionCosts:
     comm_per_step: dict[tuple[CollKind, frozenset[MeshAxis]], sp.Expr]
 
 
+def _rerun_share(mode: Recompute) -> sp.Expr:
+    """The share of layers whose forward reruns under ``mode`` (block full recompute covers
+    ``recompute_share`` of them; the other modes all)."""
+    return S.recompute_share if mode is Recompute.FULL else sp.Integer(1)
+
+
 def section_costs(
     graph: Graph, tied_copy: Tensor | None = None, modules: tuple[str, ...] = ()
 ) -> SectionCosts:
@@ -160,6 +166,9 @@ def section_costs(
         kept[mode] = kept_bytes(graph, kept_activations(graph, mode, modules))
         # while a layer is rerun, its dropped tensors exist again until its backward finishes
         working[mode] = none_bytes - kept[mode] if _is_block(graph) else sp.Integer(0)
+    # full recompute of some layers only (Megatron-Core's block method): the others keep all
+    share = S.recompute_share
+    kept[Recompute.FULL] = share * kept[Recompute.FULL] + (1 - share) * none_bytes
 
     fwd = [op for op in graph.ops if op.phase is Phase.FORWARD]
     bwd = [op for op in graph.ops if op.phase is Phase.BACKWARD]
@@ -173,9 +182,10 @@ def section_costs(
     local: dict[Recompute, sp.Expr] = {}
     for mode in Recompute:
         rerun = recomputed_ops(graph, mode, modules)
-        mm[mode] = base_mm + _sum([op.global_flops for op in rerun if op.matmul])
-        hw[mode] = base_global + _sum([op.global_flops for op in rerun])
-        local[mode] = base_local + _sum([op.flops for op in rerun])
+        w = _rerun_share(mode)
+        mm[mode] = base_mm + w * _sum([op.global_flops for op in rerun if op.matmul])
+        hw[mode] = base_global + w * _sum([op.global_flops for op in rerun])
+        local[mode] = base_local + w * _sum([op.flops for op in rerun])
     opt_flops = _sum([op.flops for op in graph.ops if op.kind is OpKind.OPTIMIZER])
 
     per_mb: dict[tuple[CollKind, frozenset[MeshAxis]], dict[Recompute, sp.Expr]] = {}
@@ -184,7 +194,8 @@ def section_costs(
     )
     for mode in Recompute:
         rerun_comm = [op for op in recomputed_ops(graph, mode, modules) if op.is_comm]
-        for op in [o for o in graph.ops if o.is_comm] + rerun_comm:
+        w = _rerun_share(mode)
+        for op, weight in [(o, 1) for o in graph.ops if o.is_comm] + [(o, w) for o in rerun_comm]:
             key = (op.coll, op.group)
             size = _active(op.group) * op.comm_bytes
             if op.frequency is Frequency.PER_STEP:
@@ -192,7 +203,7 @@ def section_costs(
                     per_step[key] += size
                 continue
             per_mb.setdefault(key, {m: sp.Integer(0) for m in Recompute})
-            per_mb[key][mode] += size
+            per_mb[key][mode] += weight * size
     return SectionCosts(
         params=params,
         expert_params=expert_params,

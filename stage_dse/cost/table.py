@@ -133,11 +133,11 @@ def _key_of(values: tuple) -> CostKey:
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
     )
-    recompute, modules = parse_recompute(v["recompute"])
+    recompute = parse_recompute(v["recompute"])
     return CostKey(
         graph=graph,
-        recompute=recompute,
-        recompute_modules=modules,
+        recompute=recompute.mode,
+        recompute_modules=recompute.modules,
         schedule=PipelineSchedule(v["schedule"]),
         rank_order=tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),

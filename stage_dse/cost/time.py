@@ -122,7 +122,7 @@ from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
-from stage_dse.spec import MeshAxis, PipelineSchedule
+from stage_dse.spec import MeshAxis, PipelineSchedule, Recompute
 
 __all__ = [
     "Kernel",
@@ -273,6 +273,8 @@ def _per_tensor_time(op: Op, order, kernels: KernelSet | None) -> sp.Expr:
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
     order = key.rank_order
     rerun = recomputed_ops(graph, key.recompute, key.recompute_modules)
+    # block full recompute reruns some layers only: a layer's rerun costs count that share
+    share = S.recompute_share if key.recompute is Recompute.FULL else sp.Integer(1)
     savings = _fusion_savings(graph)
     partners = async_partners(graph)
     ops = [(op, False) for op in graph.ops] + [(op, True) for op in rerun]
@@ -297,7 +299,7 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             if key.zero_sync_per_tensor and name in ("zero_fwd_comm", "zero_bwd_comm"):
                 acc[name].append(_per_tensor_time(op, order, kernels))
                 continue
-            buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes
+            buckets[name, op.coll, op.group, is_rerun] += op.comm_bytes * (share if is_rerun else 1)
             continue
         if op.is_comm:
             # token dispatch and combine: top_k copies of each token, sent once per node
@@ -305,6 +307,8 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             dedup = key.ep_dispatch_dedup and op.coll is CollKind.ALL_TO_ALL
             copies = S.top_k if dedup and MeshAxis.EP in op.group else None
             t = _coll_time(op.coll, op.group, op.comm_bytes, order, kernels, copies)
+            if is_rerun:
+                t = share * t
             if op.group == {MeshAxis.CP}:
                 name = "cp_comm"
             elif MeshAxis.EP in op.group:
@@ -322,6 +326,8 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             acc[phase].append(exposed)
             continue
         t = _op_time(op, savings.get(op, sp.Integer(0)), kernels)
+        if is_rerun:
+            t = share * t
         if op.kind is OpKind.OPTIMIZER:
             acc["optimizer_step"].append(t)
             continue

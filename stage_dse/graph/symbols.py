@@ -110,6 +110,9 @@ class Symbols:
     """Its index."""
     offload_layers = _count("offload_layers")
     """Layers whose saved activations are offloaded to host memory (``plan.offload_layers``)."""
+    recompute_share = _real("recompute_share")
+    """Share of the layers full recompute covers (``plan.recompute_layers`` of each model
+    chunk; 1 for every layer, and where full recompute is not chosen)."""
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
     peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)

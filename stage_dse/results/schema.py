@@ -156,6 +156,7 @@ _HASHED_APART = (
     "fused_elementwise",
     "offload_layers",
     "host_bandwidth",
+    "recompute_share",
     *FP8_RECIPE_COLUMNS,
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",

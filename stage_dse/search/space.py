@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.bind import bind_hardware, model_values
+from stage_dse.cost.bind import bind_hardware, model_values, recompute_share
 from stage_dse.cost.table import PlanColumns, model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
@@ -157,6 +157,12 @@ class PlanGrid:
             "micro_batch": values("micro_batch"),
             "virtual_stages": v_sel,
             "offload_layers": values("offload_layers"),
+            "recompute_share": recompute_share(
+                model.num_layers,
+                t_pp,
+                v_sel,
+                np.array([parse_recompute(r).layers for r in axes["recompute"]])[at["recompute"]],
+            ),
             "stage_layers": labels("stage_layers"),
             **{
                 name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
@@ -269,9 +275,14 @@ def plan_grid(
     mb = grid("micro_batch").astype(np.int64)
     offload = grid("offload_layers").astype(np.int64)
     recompute = grid("recompute", [r != "none" for r in axes["recompute"]]).astype(bool)
-    absent_module = grid(
-        "recompute", [_absent_module(model, r) is not None for r in axes["recompute"]]
-    ).astype(bool)
+    absent_modules = [
+        (
+            f"recompute={r}: {why}",
+            grid("recompute", [x == r for x in axes["recompute"]]).astype(bool),
+        )
+        for r in axes["recompute"]
+        if (why := _absent_module(model, r)) is not None
+    ]
     v = grid("virtual_stages").astype(np.int64)
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
@@ -306,7 +317,7 @@ def plan_grid(
         (f"offload_layers must be below layers({L})", offload >= L),
         ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),
         ("offload_layers needs recompute=none", (offload > 0) & recompute),
-        (f"recompute names a module {model.name} does not have", absent_module),
+        *absent_modules,
     ]
     ok = np.ones(shape, dtype=bool)
     rejected: Counter = Counter()
@@ -373,7 +384,7 @@ def enumerate_plans(
 def _absent_module(model: ModelSpec, label: str) -> str | None:
     """The message if a recompute label names a module the model lacks, else None."""
     try:
-        check_recompute_modules(model, parse_recompute(label)[1])
+        check_recompute_modules(model, parse_recompute(label).modules)
     except ConfigError as exc:
         return str(exc)
     return None

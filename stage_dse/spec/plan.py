@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import (
@@ -34,6 +35,7 @@ __all__ = [
     "ParallelPlan",
     "PipelineSchedule",
     "Recompute",
+    "RecomputeChoice",
     "parse_recompute",
     "validate_plan",
 ]
@@ -85,17 +87,48 @@ combine, shared experts) and ``shared_experts`` the shared experts, each checkpo
 input is kept and its forward, collectives included, reruns in backward."""
 
 
-def parse_recompute(value: object, modules: object = ()) -> tuple[Recompute, tuple[str, ...]]:
-    """A recompute choice and its module list, from a mode (``"full"``) or a label naming
-    Megatron-Core modules (``"selective:mla_up_proj+moe_act"``); the list comes back in
+class RecomputeChoice(NamedTuple):
+    """A recompute mode with its Megatron-Core refinements: the modules selective recompute
+    reruns, or how many layers of each model chunk full recompute covers (0: all)."""
+
+    mode: Recompute
+    modules: tuple[str, ...] = ()
+    layers: int = 0
+
+    @property
+    def label(self) -> str:
+        """The label of the choice in result rows and sweeps: the mode,
+        ``selective:<module>+<module>`` for a module list, ``full:<layers>`` for block
+        recompute of that many layers per model chunk."""
+        if self.modules:
+            return f"{self.mode.value}:{'+'.join(self.modules)}"
+        if self.layers:
+            return f"{self.mode.value}:{self.layers}"
+        return self.mode.value
+
+
+def parse_recompute(value: object, modules: object = (), layers: object = 0) -> RecomputeChoice:
+    """A recompute choice from a mode (``"full"``) or a label that refines it
+    (``"selective:mla_up_proj+moe_act"``, ``"full:5"``); modules come back in
     :data:`RECOMPUTE_MODULES` order, empty for the default attention core."""
     if isinstance(value, str) and ":" in value:
         value, named = value.split(":", 1)
-        if modules:
+        if modules or layers:
             raise ConfigError(
-                f"plan.recompute={value}:{named} names its modules; drop recompute_modules"
+                f"plan.recompute={value}:{named} names its refinement; drop "
+                "recompute_modules and recompute_layers"
             )
-        modules = [m for m in named.split("+") if m]
+        names = [m for m in named.split("+") if m]
+        if value == Recompute.FULL.value and not set(names) <= set(RECOMPUTE_MODULES):
+            try:
+                layers = int(named)
+            except ValueError:
+                raise ConfigError(
+                    f"plan.recompute=full:{named}: full recompute takes a layer count per model "
+                    "chunk (e.g. full:5)"
+                ) from None
+        else:
+            modules = names
     mode = coerce_enum(Recompute, "plan", "recompute", value)
     if isinstance(modules, str):
         modules = [m for m in modules.replace(",", "+").split("+") if m.strip()]
@@ -111,14 +144,14 @@ def parse_recompute(value: object, modules: object = ()) -> tuple[Recompute, tup
             f"plan.recompute_modules={'+'.join(names)} needs recompute=selective, "
             f"got recompute={mode.value}"
         )
+    non_negative_int("plan", "recompute_layers", layers)
+    if layers and mode is not Recompute.FULL:
+        raise ConfigError(
+            f"plan.recompute_layers({layers}) needs recompute=full (Megatron-Core's block "
+            f"method), got recompute={mode.value}"
+        )
     ordered = tuple(m for m in RECOMPUTE_MODULES if m in names)
-    return mode, (() if ordered == ("core_attn",) else ordered)
-
-
-def recompute_label(mode: Recompute, modules: tuple[str, ...]) -> str:
-    """The label of a recompute choice in result rows and sweeps: the mode, or
-    ``selective:<module>+<module>`` for a Megatron-Core module list."""
-    return f"{mode.value}:{'+'.join(modules)}" if modules else mode.value
+    return RecomputeChoice(mode, () if ordered == ("core_attn",) else ordered, int(layers))
 
 
 class AttentionKernel(StrEnum):
@@ -189,6 +222,11 @@ class ParallelPlan:
     """Under ``recompute=selective``, the Megatron-Core modules recomputed
     (:data:`RECOMPUTE_MODULES`); empty: the attention core alone (Megatron-Core's default).
     ``recompute`` may name them itself: ``"selective:mla_up_proj+moe_act"``."""
+    recompute_layers: int = 0
+    """Under ``recompute=full``, the layers of each model chunk recomputed (Megatron-Core's
+    ``recompute_method="block"`` with ``recompute_num_layers``: the first ones of each chunk
+    keep only their input, the others keep every activation); 0: every layer.
+    ``recompute="full:5"`` says the same."""
     attention: AttentionKernel = AttentionKernel.FLASH
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
@@ -270,9 +308,10 @@ class ParallelPlan:
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
-        mode, modules = parse_recompute(self.recompute, self.recompute_modules)
-        object.__setattr__(self, "recompute", mode)
-        object.__setattr__(self, "recompute_modules", modules)
+        choice = parse_recompute(self.recompute, self.recompute_modules, self.recompute_layers)
+        object.__setattr__(self, "recompute", choice.mode)
+        object.__setattr__(self, "recompute_modules", choice.modules)
+        object.__setattr__(self, "recompute_layers", choice.layers)
         object.__setattr__(
             self, "attention", coerce_enum(AttentionKernel, owner, "attention", self.attention)
         )
@@ -317,8 +356,8 @@ class ParallelPlan:
 
     @property
     def recompute_label(self) -> str:
-        """``recompute`` as result rows and sweeps name it (:func:`recompute_label`)."""
-        return recompute_label(self.recompute, self.recompute_modules)
+        """``recompute`` as result rows and sweeps name it (:attr:`RecomputeChoice.label`)."""
+        return RecomputeChoice(self.recompute, self.recompute_modules, self.recompute_layers).label
 
     @property
     def model_parallel_size(self) -> int:

@@ -16,7 +16,7 @@ from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
-from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_recompute, recompute_label
+from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_recompute
 from stage_dse.spec.stages import normalize_stage_layers
 from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
 
@@ -117,11 +117,11 @@ class SearchSpace:
             if not isinstance(r, str):
                 raise ConfigError(f"plan.recompute={r!r} is not one of: none, selective, full, op")
             try:
-                labels.append(recompute_label(*parse_recompute(r)))
+                labels.append(parse_recompute(r).label)
             except ConfigError as exc:
                 raise ConfigError(
-                    f"{exc} (plan.recompute values: none, selective, full, op, or "
-                    "selective:<module>+<module>)"
+                    f"{exc} (plan.recompute values: none, selective, full, op, "
+                    "selective:<module>+<module> or full:<layers per chunk>)"
                 ) from None
         object.__setattr__(self, "recompute", tuple(dict.fromkeys(labels)))
         for a in self.attention:

@@ -188,13 +188,15 @@ def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:
                     prog.p2p(False, link.next_delta, boundary_bytes, link.from_next_tag, name, hop)
                 instances = [g for g, count in reversed(sections) for _ in range(count)]
                 ahead = issue(prog, zero_regather[instances[0]]) if instances else []
+                rerun_here = _block_rerun(instances, rerun, plan.recompute_layers)
                 for j, g in enumerate(instances):
                     nxt = zero_regather[instances[j + 1]] if j + 1 < len(instances) else []
                     if ahead or nxt:
                         prog.flush()
                     prog.pending_comm.extend(ahead)
                     ahead = issue(prog, nxt)
-                    emit_ops(prog, rerun[g], consumed[g])
+                    if rerun_here[j]:
+                        emit_ops(prog, rerun[g], consumed[g])
                     emit_ops(prog, bwd[g], consumed[g], partners=partners[g])
                     if zero_rs[g]:  # the optimizer waits for the last of them (issue order)
                         prog.flush()
@@ -294,6 +296,21 @@ class Bucket:
     micros: int
     output_bytes: int
     """What the collective leaves on each rank (all-gather: the gathered buffer)."""
+
+
+def _block_rerun(instances: list, rerun: dict, recompute_layers: int) -> list[bool]:
+    """Which of a chunk's section instances (in backward order) rerun their forward: all, or
+    under block recompute the first ``recompute_layers`` layers of the chunk in forward
+    order (the last ones backward meets)."""
+    layer_at = [bool(rerun[g]) for g in instances]
+    if not recompute_layers:
+        return layer_at
+    out, seen = [False] * len(instances), 0
+    for j in reversed(range(len(instances))):  # forward order
+        if layer_at[j] and seen < recompute_layers:
+            out[j] = True
+        seen += layer_at[j]
+    return out
 
 
 def _per_mb_data(op) -> bool:

@@ -1,6 +1,8 @@
-"""Megatron-Core's selective recompute of named modules (``recompute="selective:<modules>"``):
-what each module drops and reruns, checked against the layer's shapes, the order between
-modes, the errors, and the label through result rows and traces."""
+"""Megatron-Core's refinements of activation recompute: selective recompute of named modules
+(``recompute="selective:<modules>"``) and full recompute of the first layers of each model
+chunk (``recompute="full:<layers>"``, the block method). What each drops and reruns, checked
+against the layer's shapes, the order between modes, the errors, and the label through result
+rows and traces."""
 
 from __future__ import annotations
 
@@ -111,6 +113,47 @@ def test_any_module_set_sits_between_no_and_full_recompute(modules):
     assert none["recompute_flops"] <= r["recompute_flops"] <= full["recompute_flops"]
 
 
+@pytest.mark.parametrize("pp, v", [(1, 1), (2, 1), (2, 2)])
+def test_block_recompute_covers_its_layers_of_each_chunk(pp, v):
+    """``full:n`` recomputes ``n`` layers of each of the ``pp x v`` chunks: activation memory
+    and rerun flops move that share of the way from no recompute to full recompute, and a
+    count at or above a chunk's layers is full recompute."""
+    m = LLAMA  # 32 layers
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=32)
+
+    def run(rc: str) -> dict:
+        plan = ParallelPlan(
+            dp=8 // pp, pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b",
+            zero_stage=1, recompute=rc,
+        )  # fmt: skip
+        return evaluate_plan(m, training, plan, hardware=B200, cluster=CLUSTER)
+
+    none, full = run("none"), run("full")
+    chunk = m.num_layers // (pp * v)
+    # the kept activations of the layers left alone (the rerun layer's working set is there
+    # whenever any layer reruns)
+    one = run("full:1")
+    left_bytes = (one["mem_activations_bytes"] - full["mem_activations_bytes"]) / (1 - 1 / chunk)
+    assert 0 < left_bytes < none["mem_activations_bytes"]
+    for n in (1, 3):
+        share = n / chunk
+        r = run(f"full:{n}")
+        for key in ("recompute_flops", "matmul_flops", "hardware_flops"):
+            assert r[key] == pytest.approx(none[key] + share * (full[key] - none[key]), rel=1e-9)
+        if pp == 1:  # (with stages, the heaviest one's: the larger of two such lines)
+            assert r["mem_activations_bytes"] == pytest.approx(
+                full["mem_activations_bytes"] + (1 - share) * left_bytes, rel=1e-9
+            )
+        assert (
+            full["mem_activations_bytes"]
+            < r["mem_activations_bytes"]
+            < none["mem_activations_bytes"]
+        )
+        assert none["step_s"] < r["step_s"] < full["step_s"]
+    assert run(f"full:{chunk}") == full
+    assert run(f"full:{chunk + 5}")["step_s"] == full["step_s"]
+
+
 def test_labels_are_canonical():
     p = ParallelPlan(recompute="selective:moe_act+mla_up_proj")
     assert p.recompute_modules == ("mla_up_proj", "moe_act")
@@ -118,8 +161,10 @@ def test_labels_are_canonical():
     assert ParallelPlan(recompute="selective", recompute_modules="moe_act+layernorm") == (
         ParallelPlan(recompute="selective:layernorm+moe_act")
     )
-    space = SearchSpace(recompute=("none", "selective:moe_act+mla_up_proj"))
-    assert space.recompute == ("none", "selective:mla_up_proj+moe_act")
+    space = SearchSpace(recompute=("none", "selective:moe_act+mla_up_proj", "full:5"))
+    assert space.recompute == ("none", "selective:mla_up_proj+moe_act", "full:5")
+    assert ParallelPlan(recompute="full", recompute_layers=5).recompute_label == "full:5"
+    assert ParallelPlan(recompute="full:0") == ParallelPlan(recompute="full")
 
 
 @pytest.mark.parametrize(
@@ -128,7 +173,13 @@ def test_labels_are_canonical():
         ({"recompute": "full:mlp"}, "needs recompute=selective, got recompute=full"),
         ({"recompute": "selective:attn"}, "unknown module 'attn'"),
         ({"recompute": "none", "recompute_modules": ("mlp",)}, "needs recompute=selective"),
-        ({"recompute": "selective:mlp", "recompute_modules": ("mlp",)}, "names its modules"),
+        ({"recompute": "selective:mlp", "recompute_modules": ("mlp",)}, "names its refinement"),
+        (
+            {"recompute": "selective", "recompute_layers": 2},
+            r"recompute_layers\(2\) needs recompute=full",
+        ),
+        ({"recompute": "full:two"}, "takes a layer count per model chunk"),
+        ({"recompute": "full:-1"}, "recompute_layers"),
     ],
 )
 def test_bad_recompute_labels_name_the_field(kwargs, message):
