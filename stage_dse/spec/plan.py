@@ -111,6 +111,8 @@ def parse_recompute(value: object, modules: object = (), layers: object = 0) -> 
     """A recompute choice from a mode (``"full"``) or a label that refines it
     (``"selective:mla_up_proj+moe_act"``, ``"full:5"``); modules come back in
     :data:`RECOMPUTE_MODULES` order, empty for the default attention core."""
+    if isinstance(value, Recompute) and not modules and not layers:
+        return RecomputeChoice(value)
     if isinstance(value, str) and ":" in value:
         value, named = value.split(":", 1)
         if modules or layers:
@@ -150,6 +152,8 @@ def parse_recompute(value: object, modules: object = (), layers: object = 0) -> 
             f"plan.recompute_layers({layers}) needs recompute=full (Megatron-Core's block "
             f"method), got recompute={mode.value}"
         )
+    if not names and not layers:
+        return RecomputeChoice(mode)
     ordered = tuple(m for m in RECOMPUTE_MODULES if m in names)
     return RecomputeChoice(mode, () if ordered == ("core_attn",) else ordered, int(layers))
 
