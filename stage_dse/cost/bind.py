@@ -81,10 +81,8 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
         "ep_data": plan.ep_data,
         "virtual_stages": plan.virtual_stages,
         "offload_layers": plan.offload_layers,
-        "recompute_share": (
-            min(plan.recompute_layers * plan.pp * plan.virtual_stages, num_layers) / num_layers
-            if plan.recompute_layers
-            else 1.0
+        "recompute_share": recompute_share(
+            num_layers, plan.pp, plan.virtual_stages, plan.recompute_layers
         ),
         **stage_values(num_layers, plan.pp, plan.virtual_stages, plan.stage_layers),
     }
@@ -92,11 +90,14 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
 
 def recompute_share(layers, pp, virtual_stages, recompute_layers):
     """Share of the layers Megatron-Core's block recompute covers: ``recompute_layers`` of
-    each of the ``pp x virtual_stages`` model chunks (all of a shorter chunk), over the layers
-    (1 where ``recompute_layers`` is 0: every layer), over arrays (:func:`plan_values` binds one
-    plan's)."""
+    each of the ``pp x virtual_stages`` model chunks, at most all layers (a chunk shorter than
+    ``recompute_layers`` is counted full length); 1 where ``recompute_layers`` is 0 (every
+    layer). One plan's numbers or arrays of them (the sweep grid's columns)."""
+    if isinstance(recompute_layers, int):  # one plan: plain Python (the per-plan loop)
+        covered = min(recompute_layers * pp * virtual_stages, layers)
+        return covered / layers if recompute_layers else 1.0
     covered = np.minimum(np.asarray(recompute_layers) * pp * virtual_stages, layers)
-    return np.where(np.asarray(recompute_layers) > 0, covered / layers, 1.0)[()]
+    return np.where(np.asarray(recompute_layers) > 0, covered / layers, 1.0)
 
 
 def moe_values(model: ModelSpec) -> dict[str, float]:

@@ -156,7 +156,7 @@ _HASHED_APART = (
     "fused_elementwise",
     "offload_layers",
     "host_bandwidth",
-    "recompute_share",
+    "recompute_share",  # never hashed: the recompute label, pp, chunks and layers fix it
     *FP8_RECIPE_COLUMNS,
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",
