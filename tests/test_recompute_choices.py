@@ -228,3 +228,33 @@ def test_sweep_rows_carry_the_label_and_rebuild_the_plan(tmp_path):
     plan = config_from_row(by[labels[1]]).plan
     assert plan.recompute_modules == ("mla_up_proj", "moe_act")
     assert config_from_row(by[labels[0]]).plan.recompute_modules == ()
+
+
+@pytest.mark.parametrize("recompute", ["full:1", "selective:moe", "selective:layernorm+mlp"])
+def test_traces_rerun_what_the_costs_count_in_mixed_layer_models(tmp_path, recompute):
+    """A mixture-of-experts model with a leading dense layer: block recompute reruns the dense
+    layer in one chunk and an MoE layer in the other, so the trace's flops must come from the
+    layers the schedule reruns, not from an average layer; the checker agrees."""
+    import json
+
+    from stage_dse.spec import ModelSpec
+    from stage_dse.trace import TraceConfig, check_trace_dir, write_trace_set
+
+    model = ModelSpec(
+        name="moe_tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512, num_heads=4,
+        num_kv_heads=2, head_dim=64, vocab_size=1024, norm="rmsnorm", mlp="swiglu",
+        position="rope", num_experts=8, top_k=2, moe_ffn_hidden_size=128,
+        num_shared_experts=1, first_dense_layers=1,
+    )  # fmt: skip
+    plan = ParallelPlan(dp=4, ep=4, pp=2, zero_stage=1, recompute=recompute)
+    cfg = TraceConfig(
+        model=model,
+        training=TrainingSpec(seq_len=128, global_batch_size=8),
+        plan=plan,
+        hardware=load_hardware("h100_sxm"),
+        cluster=load_cluster("dgx_h100", num_gpus=8),
+    )
+    write_trace_set(cfg, tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]

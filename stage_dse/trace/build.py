@@ -382,4 +382,28 @@ def analytic_flops(cfg: TraceConfig, nums: SetNumbers | None = None) -> int:
     ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
     # every stage's ranks run their layers; summed over stages that is every layer once
     total = emb + head + n_dense * dense + n_block * block
+    if cfg.plan.recompute_layers:  # block recompute: the layers the schedule reruns, counted
+        total = _block_recompute_flops(cfg, nums or set_numbers(cfg), m)
     return round(total * ranks_per_stage)
+
+
+def _block_recompute_flops(cfg: TraceConfig, nums: SetNumbers, m: int) -> float:
+    """One replica's step flops under block recompute: every section instance's flops without
+    recompute, plus the rerun of the layers :func:`_block_rerun` picks in each model chunk."""
+    graphs, named, plan = nums.graphs, nums.named, cfg.plan
+    key = nums.family.key
+    name = {getattr(graphs, s): s for s in ("embed", "block", "dense", "windowed", "head")}
+    name = {g: s for g, s in name.items() if g is not None}
+    rerun = {g: recomputed_ops(g, key.recompute, key.recompute_modules) for g in name}
+    total = 0.0
+    for stage in range(plan.pp):
+        chunks = stage_sections(
+            graphs, cfg.model, stage, plan.pp, plan.virtual_stages, plan.stage_layers
+        )
+        for sections in chunks:
+            instances = [g for g, count in reversed(sections) for _ in range(count)]
+            for g, again in zip(instances, _block_rerun(instances, rerun, plan.recompute_layers)):
+                s = name[g]
+                total += named[f"{s}_base_flops"] * m + named[f"{s}_optimizer_flops"]
+                total += named[f"{s}_rerun_flops"] * m if again else 0.0
+    return total

@@ -31,6 +31,8 @@ import sympy as sp
 
 from stage_dse.cost.compile import SYMBOL_NAMES, compile_expressions
 from stage_dse.cost.derive import CostKey, cost_key, embedding_sync_bytes, section_costs
+from stage_dse.cost.expr import _sum
+from stage_dse.cost.recompute import recomputed_ops
 from stage_dse.cost.time import (
     _compute_time,
     collective_time,
@@ -39,6 +41,7 @@ from stage_dse.cost.time import (
 )
 from stage_dse.graph.ir import CollKind, Op
 from stage_dse.graph.transformer import ModelGraphs, _build
+from stage_dse.spec import Recompute
 
 __all__ = [
     "BUCKET_BYTES",
@@ -122,6 +125,8 @@ def trace_family(key: CostKey, grad_bytes: int) -> TraceFamily:
         names += ["embedding_sync_bytes", "embedding_sync_s"]
     for section in sections:
         names += [f"{section}_compute_flops", f"{section}_optimizer_flops"]
+        # block recompute reruns whole layers of some sections only: their two parts apart
+        names += [f"{section}_base_flops", f"{section}_rerun_flops"]
 
     def expressions() -> list[sp.Expr]:
         named = [graphs.boundary.local_bytes, pipeline_hop_time(graphs.boundary.local_bytes, key)]
@@ -132,6 +137,8 @@ def trace_family(key: CostKey, grad_bytes: int) -> TraceFamily:
             tied = graphs.tied_head_weight if section == "head" else None
             sc = section_costs(getattr(graphs, section), tied, key.recompute_modules)
             named += [sc.compute_flops[key.recompute], sc.optimizer_flops]
+            rerun = recomputed_ops(getattr(graphs, section), key.recompute, key.recompute_modules)
+            named += [sc.compute_flops[Recompute.NONE], _sum([op.flops for op in rerun])]
         return op_expressions(list(ops), key.rank_order) + [sp.sympify(e) for e in named]
 
     want = 4 * len(ops) + len(names)
