@@ -21,6 +21,7 @@ GPT_SUBS = {
     S.fp8_rowwise: 0,  # no FP8 scaling recipe
     S.fp8_wgrad_hp: 0,
     S.fp8_mx: 0,
+    S.recompute_share: 1,  # full recompute covers every layer
     S.ffn: 4 * S.hidden,
     S.head_dim: S.hidden / S.heads,
     S.kv_heads: S.heads,
