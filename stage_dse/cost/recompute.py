@@ -131,7 +131,7 @@ def _base(op: Op) -> str:
     return op.name.split(":")[-1].split("+")[0]
 
 
-def module_ops(graph: Graph, module: str) -> list[Op]:
+def _module_ops(graph: Graph, module: str) -> list[Op]:
     """The forward ops of one Megatron-Core recompute module in a section (collectives inside
     it included: a checkpointed module's forward reruns them)."""
     out = []
@@ -173,7 +173,7 @@ def _has_moe(graph: Graph) -> bool:
 def _module_dropped(graph: Graph, module: str) -> list[Tensor]:
     """Kept tensors a recompute module rebuilds in backward: every one its ops make (a
     without-output module), or those only its own ops keep (a checkpointed one)."""
-    ops = set(module_ops(graph, module))
+    ops = set(_module_ops(graph, module))
     made = {t for op in ops for t in op.outputs}
     savers: dict[Tensor, set[Op]] = {}
     for op in graph.ops:
@@ -210,7 +210,7 @@ def recomputed_ops(graph: Graph, recompute: Recompute, modules: tuple[str, ...] 
         rerun: set[Op] = set()
         for name in modules:
             rerun.update(
-                _core_rerun(graph, forward) if name == "core_attn" else module_ops(graph, name)
+                _core_rerun(graph, forward) if name == "core_attn" else _module_ops(graph, name)
             )
         return [op for op in forward if op in rerun]
     if recompute is Recompute.FULL:
