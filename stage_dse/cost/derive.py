@@ -166,9 +166,9 @@ def section_costs(
         kept[mode] = kept_bytes(graph, kept_activations(graph, mode, modules))
         # while a layer is rerun, its dropped tensors exist again until its backward finishes
         working[mode] = none_bytes - kept[mode] if _is_block(graph) else sp.Integer(0)
-    # full recompute of some layers only (Megatron-Core's block method): the others keep all
-    share = S.recompute_share
-    kept[Recompute.FULL] = share * kept[Recompute.FULL] + (1 - share) * none_bytes
+    if _is_block(graph):  # full recompute of some layers only (block method): the others keep all
+        share = S.recompute_share
+        kept[Recompute.FULL] = share * kept[Recompute.FULL] + (1 - share) * none_bytes
 
     fwd = [op for op in graph.ops if op.phase is Phase.FORWARD]
     bwd = [op for op in graph.ops if op.phase is Phase.BACKWARD]

@@ -152,8 +152,6 @@ def parse_recompute(value: object, modules: object = (), layers: object = 0) -> 
             f"plan.recompute_layers({layers}) needs recompute=full (Megatron-Core's block "
             f"method), got recompute={mode.value}"
         )
-    if not names and not layers:
-        return RecomputeChoice(mode)
     ordered = tuple(m for m in RECOMPUTE_MODULES if m in names)
     return RecomputeChoice(mode, () if ordered == ("core_attn",) else ordered, int(layers))
 

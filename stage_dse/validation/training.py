@@ -135,7 +135,7 @@ def training_setup(case: Case) -> TrainingSetup:
         raise CorpusError(f"{label}: {exc}") from None
     for key in ("recompute", "zero"):
         value = f.get(key)
-        if key == "recompute" and value is not None and not _recompute_label(value):
+        if key == "recompute" and value is not None and not _is_recompute_label(value):
             raise Unexpressible(
                 f"recompute {value!r} (none, selective, selective:<Megatron-Core modules>, full "
                 "or op of every layer)"
@@ -217,8 +217,9 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     )
 
 
-def _recompute_label(value: object) -> bool:
-    """Whether a record's recompute names a mode (or Megatron-Core modules) the model has."""
+def _is_recompute_label(value: object) -> bool:
+    """Whether a record's recompute is a mode or a label refining one (``selective:<modules>``,
+    ``full:<layers>``); whether the model has the modules, the plan's validation says."""
     try:
         parse_recompute(value)
     except ConfigError:
