@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 import pandas as pd
@@ -223,7 +224,13 @@ def _output_lengths(f: dict) -> tuple[str, float]:
 
 def case_engine(case: Case) -> EngineSpec:
     """The engine profile a case ran on (``none`` where the record names none we have)."""
-    name = case.fields.get("engine", "")
+    return _engine(case.fields.get("engine", ""))
+
+
+@cache
+def _engine(name: str) -> EngineSpec:
+    """An engine profile, read once per process: every evaluation of the corpus asks for one
+    per case several times over, and the fit evaluates it hundreds of times."""
     return load_engine(name) if name in list_presets("engine") else load_engine("none")
 
 
@@ -390,6 +397,18 @@ def evaluate_serving(
     }
     if len(table):
         static = evaluate_serving_table(table, keys, timing=timing)
+        # per-case lookups by position, once (a pandas row per case costs more than the model)
+        static_rows = static.to_dict("records")
+        tuned_batch, tuned_tokens, step_overhead, request_overhead, models = (
+            table[c].to_numpy()
+            for c in (
+                "tuned_max_batch",
+                "tuned_max_num_tokens",
+                "step_overhead_s",
+                "request_overhead_s",
+                "model",
+            )
+        )
         by_id = {c.id: c for c in cases}
         cont = [cid for cid in index if by_id[cid].fields["mode"] != "static"]
         cb = None
@@ -400,7 +419,7 @@ def evaluate_serving(
                 _limits(
                     x,
                     case_engine(by_id[cid]),
-                    (table.iloc[i]["tuned_max_batch"], table.iloc[i]["tuned_max_num_tokens"]),
+                    (tuned_batch[i], tuned_tokens[i]),
                     by_id[cid].unstated or (),
                 )
                 for x, cid, i in zip(f, cont, sel)
@@ -439,6 +458,7 @@ def evaluate_serving(
                 timing=timing,
             )
             cb.index = cont
+            cb = cb.to_dict("index")
     results = []
     for case in cases:
         rec = result_base(case, ServingTiming.of(timing).source)
@@ -447,13 +467,13 @@ def evaluate_serving(
             continue
         f = case.fields
         i = index[case.id]
-        s = static.iloc[i]
+        s = static_rows[i]
         gpus = f["tp"] * f.get("pp", 1) * f.get("ep", 1)
         status, reason = "ok", ""
         if f["mode"] == "static":
             # the engine's costs on the prefill iteration and on each decode iteration
-            over = float(table.iloc[i]["step_overhead_s"])
-            per_request = float(table.iloc[i]["request_overhead_s"]) * f["batch"] / _layout(f)[2]
+            over = float(step_overhead[i])
+            per_request = float(request_overhead[i]) * f["batch"] / _layout(f)[2]
             ttft = float(s["serve_ttft_s"]) + over + per_request
             tpot = float(s["serve_tpot_s"]) + over + per_request
             e2e = ttft + (f["osl"] - 1) * tpot
@@ -462,7 +482,7 @@ def evaluate_serving(
                 status, reason = "oom", "the batch's KV cache does not fit in the model's memory"
             req_s = f["batch"] / e2e * f["n_gpus"] / gpus
         else:
-            c = cb.loc[case.id]
+            c = cb[case.id]
             ttft, tpot = float(c["cb_ttft_s"]), float(c["cb_tpot_s"])
             e2e = ttft + (f["osl"] - 1) * tpot
             mu = float(c["cb_requests_per_s"])
@@ -494,7 +514,7 @@ def evaluate_serving(
                 "predicted": metric,
                 "err_pct": 100 * (metric / case.value - 1),
                 "plan": "tp{} pp{} ep{} ".format(*_layout(f)) + f["mode"],
-                "model": str(table.iloc[i]["model"]),
+                "model": str(models[i]),
                 "hardware": f["hardware"],
                 "num_gpus": f["n_gpus"],
                 "workload": f"isl{f['isl']} osl{f['osl']}",
