@@ -103,6 +103,10 @@ def test_a_good_file_loads(tmp_path):
             "candidates.recompute given but recompute is stated",
         ),
         (("runs:", "runs: [oops]\nextra:"), "unknown top-level key 'extra'"),
+        (
+            ("micro_batch: 2,", "micro_batch: 2, hardware_overrides: {name: mi325x},"),
+            "hardware_overrides cannot rename the preset",
+        ),
     ],
 )
 def test_bad_records_give_one_line_naming_file_run_and_field(tmp_path, edit, message):

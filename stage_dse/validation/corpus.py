@@ -338,6 +338,11 @@ def _case(run: object, defaults: dict, source: Source, where: str) -> Case:
     for key in REQUIRED[kind]:
         if key not in rec:
             raise CorpusError(f"{label}: missing field {key!r}")
+    if "name" in rec.get("hardware_overrides", {}):
+        raise CorpusError(
+            f"{label}: hardware_overrides cannot rename the preset; name it in 'hardware' "
+            "and give the part in 'hardware_variant'"
+        )
     target = dict(rec.pop("target"))
     kinds = TRAINING_KINDS if kind == "training" else SERVING_KINDS
     tkind = target.get("kind")
