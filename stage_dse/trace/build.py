@@ -41,7 +41,7 @@ from stage_dse.spec import (
 )
 from stage_dse.spec.stages import stage_layer_counts
 from stage_dse.trace.mesh import EMBEDDING, Mesh
-from stage_dse.trace.numbers import SetNumbers, set_numbers
+from stage_dse.trace.numbers import SECTION_NAMES, SetNumbers, set_numbers
 from stage_dse.trace.program import (
     Program,
     StageTemplate,
@@ -366,8 +366,12 @@ def numbers_boundary(cfg: TraceConfig, graphs=None) -> int:
 
 def analytic_flops(cfg: TraceConfig, nums: SetNumbers | None = None) -> int:
     """Sum over all GPUs of their per-step flops, from the cost layer's per-section totals."""
-    named = (nums or set_numbers(cfg)).named
+    nums = nums or set_numbers(cfg)
+    named = nums.named
     m = cfg.plan.num_microbatches(cfg.training)
+    ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
+    if cfg.plan.recompute_layers:  # block recompute: the layers the schedule reruns, counted
+        return round(_block_recompute_flops(cfg, nums, m) * ranks_per_stage)
 
     def per_layer(section: str) -> float:
         return named[f"{section}_compute_flops"] * m + named[f"{section}_optimizer_flops"]
@@ -379,11 +383,8 @@ def analytic_flops(cfg: TraceConfig, nums: SetNumbers | None = None) -> int:
     dense = per_layer("dense") if has_dense else 0.0
     n_dense = cfg.model.num_dense_layers if has_dense else 0
     n_block = cfg.model.num_layers - n_dense
-    ranks_per_stage = cfg.plan.num_gpus // cfg.plan.pp
     # every stage's ranks run their layers; summed over stages that is every layer once
     total = emb + head + n_dense * dense + n_block * block
-    if cfg.plan.recompute_layers:  # block recompute: the layers the schedule reruns, counted
-        total = _block_recompute_flops(cfg, nums or set_numbers(cfg), m)
     return round(total * ranks_per_stage)
 
 
@@ -392,8 +393,7 @@ def _block_recompute_flops(cfg: TraceConfig, nums: SetNumbers, m: int) -> float:
     recompute, plus the rerun of the layers :func:`_block_rerun` picks in each model chunk."""
     graphs, named, plan = nums.graphs, nums.named, cfg.plan
     key = nums.family.key
-    name = {getattr(graphs, s): s for s in ("embed", "block", "dense", "windowed", "head")}
-    name = {g: s for g, s in name.items() if g is not None}
+    name = {g: s for s in SECTION_NAMES if (g := getattr(graphs, s)) is not None}
     rerun = {g: recomputed_ops(g, key.recompute, key.recompute_modules) for g in name}
     total = 0.0
     for stage in range(plan.pp):

@@ -45,6 +45,7 @@ from stage_dse.spec import Recompute
 
 __all__ = [
     "BUCKET_BYTES",
+    "SECTION_NAMES",
     "OpNumbers",
     "SetNumbers",
     "TraceFamily",
@@ -93,7 +94,8 @@ def symbol_row(values: dict[str, float]) -> np.ndarray:
     return np.array([[values[n] for n in SYMBOL_NAMES]], dtype=np.float64)
 
 
-_SECTIONS = ("embed", "head", "block", "dense")
+SECTION_NAMES = ("embed", "head", "block", "dense")
+"""The sections whose flops a trace family names (``<section>_compute_flops``, ...)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def trace_family(key: CostKey, grad_bytes: int) -> TraceFamily:
     derived only when the disk cache does not hold them."""
     graphs = _build(key.graph)
     ops = tuple(op for g in graphs.sections for op in g.ops)
-    sections = [s for s in _SECTIONS if getattr(graphs, s) is not None]
+    sections = [s for s in SECTION_NAMES if getattr(graphs, s) is not None]
     names = ["boundary_bytes", "hop_s"]
     if graphs.tied_head_weight is not None:
         names += ["embedding_sync_bytes", "embedding_sync_s"]
