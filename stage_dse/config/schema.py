@@ -132,7 +132,7 @@ class ClusterConf:
     intra_gb_s: float = MISSING
     inter_gbit_s: float = MISSING
     intra_latency_us: float = 3.0
-    inter_latency_us: float = 10.0
+    inter_latency_us: float = 14.0
     collective_base_latency_us: float = 0.0
     oneshot_latency_us: float = 0.0
     ll_intra_latency_us: float = 0.0

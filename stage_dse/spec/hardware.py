@@ -216,7 +216,7 @@ class ClusterSpec:
     """Scale-out (NIC) bandwidth per GPU, one direction."""
     intra_latency_s: float = 3e-6
     """Per-step latency of a collective inside a domain (bandwidth protocol, NCCL Simple)."""
-    inter_latency_s: float = 10e-6
+    inter_latency_s: float = 14e-6
     """Per-step latency of a collective across domains (bandwidth protocol)."""
     collective_base_latency_s: float = 0.0
     """Fixed cost of every collective on the bandwidth protocol (launch, synchronization)."""
