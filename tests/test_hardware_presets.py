@@ -148,3 +148,27 @@ def test_a_job_that_is_no_whole_number_of_nvl72_racks_is_told_its_even_split():
                        r"evenly over 4 domains set cluster.gpus_per_node=64"):  # fmt: skip
         load_cluster("gb200_nvl72", num_gpus=256)
     assert load_cluster("gb200_nvl72", num_gpus=256, gpus_per_node=64).gpus_per_node == 64
+
+
+def test_mi325x_is_the_mi300x_die_at_the_clock_its_power_limit_sustains():
+    """MI325X: the MI300X's peaks and die with more, faster HBM; its GEMMs run 843 / 708 times
+    the MI300X's (AMD's measured max-achievable bf16 FLOPs, 1,447 against 1,207 MHz), and a
+    compute-bound step on it is faster by no more than that."""
+    mi325x, mi300x = load_hardware("mi325x"), load_hardware("mi300x")
+    assert mi325x.peak_flops == pytest.approx(mi300x.peak_flops, rel=1e-3)
+    assert mi325x.peak_fp8_flops == pytest.approx(mi300x.peak_fp8_flops, rel=1e-3)
+    assert mi325x.hbm_bytes > mi300x.hbm_bytes
+    assert mi325x.hbm_bandwidth_bytes_per_s > mi300x.hbm_bandwidth_bytes_per_s
+    ratio = 843 / 708
+    assert mi325x.gemm_efficiency / mi300x.gemm_efficiency == pytest.approx(ratio, rel=0.01)
+    assert mi325x.attention_efficiency / mi300x.attention_efficiency == pytest.approx(
+        ratio, rel=0.01
+    )
+    model, training = load_model("llama3_8b"), TrainingSpec(seq_len=8192, global_batch_size=64)
+    plans = [ParallelPlan(dp=8, micro_batch_size=2)]
+    cluster = load_cluster("mi300x_8", num_gpus=8)
+    steps = [
+        evaluate_plans(plans_table(model, training, plans, hw, cluster))["step_s"].iloc[0]
+        for hw in (mi300x, mi325x)
+    ]
+    assert 1.0 < steps[0] / steps[1] <= ratio * 1.001
