@@ -262,6 +262,44 @@ def test_collectives_across_domains_keep_the_network_part_and_measure_the_domain
 
 
 @needs_tables
+def test_remembered_lookups_answer_as_fresh_ones_when_the_roofline_or_tables_change():
+    import sympy as sp
+
+    from stage_dse.cost.time import Kernel
+    from stage_dse.kernels import timing
+
+    kernels = (
+        Kernel("all_reduce", tuple(sp.symbols("b n d i")), sp.Symbol("r")),
+        Kernel("gemm", tuple(sp.symbols("m k n g")), sp.Symbol("s"), scale=2),
+    )
+    rows = np.array(
+        [
+            [64 * 2**20, 8, 4, 0.4e-3, 2.0e-3, 4096, 8192, 8192, 2, 1e-3],
+            [2**20, 8, 1, 0.1e-3, 0.1e-3, 1024, 4096, 4096, 2, 1e-4],
+        ]
+    )
+    moved = rows.copy()
+    moved[:, [4, 9]] *= 3  # the roofline seconds (what a fitted efficiency moves)
+    for gpu, shape_out in (("h100_sxm", rows), ("h100_sxm", moved), ("a100_sxm", moved)):
+        tables = load_tables(gpu)
+        timing._MEMO.clear()
+        fresh = timing.kernel_seconds(kernels, shape_out, tables)
+        again = timing.kernel_seconds(kernels, shape_out.copy(), tables)
+        assert timing._MEMO  # the second call was answered from memory
+        for a, b in zip(fresh, again):
+            assert np.array_equal(a, b)
+        fresh[0][:] = 0  # the caller's arrays are its own
+        assert timing.kernel_seconds(kernels, shape_out, tables)[0].min() > 0
+    h100 = timing.kernel_seconds(kernels, moved, load_tables("h100_sxm"))[0]
+    a100 = timing.kernel_seconds(kernels, moved, load_tables("a100_sxm"))[0]
+    assert not np.array_equal(h100, a100)
+    # across domains the network part follows the roofline, the domain part the table; a
+    # GEMM inside its table does not move with the roofline
+    before = timing.kernel_seconds(kernels, rows, load_tables("h100_sxm"))[0]
+    assert (h100 - before).ravel().tolist() == pytest.approx([2 * 2.0e-3, 0.0, 0.0, 0.0], abs=1e-12)
+
+
+@needs_tables
 def test_tables_are_cached_in_compact_form_and_read_back_equal(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
     load_tables.cache_clear()

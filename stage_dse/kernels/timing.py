@@ -65,30 +65,84 @@ def kernel_seconds(
     kernel in order, its shape columns and then its roofline seconds. The kernels of one
     table are looked up together, in one vectorized call."""
     rows = len(shape_out)
-    starts = np.cumsum([0] + [len(k.shape) + 1 for k in kernels])
-    roofline = shape_out[:, [starts[j + 1] - 1 for j in range(len(kernels))]]
+    roof_cols, groups = _arrangement(kernels)
+    roofline = shape_out[:, roof_cols]
     seconds = roofline.copy()
     measured = np.zeros((rows, len(kernels)), dtype=bool)
     if tables is None or rows == 0:
         return seconds, measured
-    by_table: dict[str, list[int]] = {}
-    for j, kernel in enumerate(kernels):
-        by_table.setdefault(kernel.table, []).append(j)
-    for table, js in by_table.items():
-        n = len(kernels[js[0]].shape)
-        shape = np.concatenate([shape_out[:, starts[j] : starts[j] + n] for j in js])
+    for table, js, cols, scales in groups:
+        shape = np.concatenate([shape_out[:, c] for c in cols])
         if table in LOOKUPS:
-            got, inside = LOOKUPS[table](shape, tables)
+            got, inside = _looked_up(table, shape, tables)
             whole = inside
         else:
             full = roofline[:, js].T.reshape(-1)
             got, inside, whole = _collective(table, shape, full, tables)
-        scale = np.repeat([float(kernels[j].scale) for j in js], rows)
-        got = (got * scale).reshape(len(js), rows).T
+        got = (got.reshape(len(js), rows) * scales[:, None]).T
         inside = inside.reshape(len(js), rows).T
         seconds[:, js] = np.where(inside, got, roofline[:, js])
         measured[:, js] = whole.reshape(len(js), rows).T
     return seconds, measured
+
+
+_ARRANGEMENTS: dict[int, tuple] = {}
+
+
+def _arrangement(kernels) -> tuple:
+    """Where each kernel's shape and roofline columns sit in ``shape_out``, and the kernels
+    grouped by table with their scales as floats (kept per kernel list: the lists are the
+    compiled families' own, met again at every call)."""
+    got = _ARRANGEMENTS.get(id(kernels))
+    if got is not None and got[0] is kernels:
+        return got[1]
+    starts = np.cumsum([0] + [len(k.shape) + 1 for k in kernels])
+    roof_cols = [int(starts[j + 1] - 1) for j in range(len(kernels))]
+    by_table: dict[str, list[int]] = {}
+    for j, kernel in enumerate(kernels):
+        by_table.setdefault(kernel.table, []).append(j)
+    groups = []
+    for table, js in by_table.items():
+        n = len(kernels[js[0]].shape)
+        cols = [slice(int(starts[j]), int(starts[j]) + n) for j in js]
+        scales = np.array([float(kernels[j].scale) for j in js])
+        groups.append((table, js, cols, scales))
+    arrangement = (roof_cols, groups)
+    if len(_ARRANGEMENTS) >= 1024:
+        _ARRANGEMENTS.clear()
+    _ARRANGEMENTS[id(kernels)] = (kernels, arrangement)  # kept alive: the id stays theirs
+    return arrangement
+
+
+_MEMO: dict = {}
+_MEMO_MAX_ROWS = 4096  # per lookup: larger ones (sweep blocks) are not met twice
+_MEMO_TOTAL_ROWS = 1_000_000
+_memo_rows = 0
+
+
+def _looked_up(table: str, shape: np.ndarray, tables: MeasuredTables, lookup=None):
+    """A table's lookup of ``shape``, remembered: a fit or a serving fixed point asks for the
+    same shapes again and again (the tables' times depend on nothing else), only the roofline
+    around them moves. Results are read-only arrays."""
+    global _memo_rows
+    shape = np.ascontiguousarray(shape, dtype=float)
+    key = (table, id(tables), shape.shape, shape.tobytes())
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is tables:
+        return hit[1], hit[2]
+    if lookup is None:
+        got, inside = LOOKUPS[table](shape, tables)
+    else:
+        got, inside = lookup(table, shape, tables)
+    if len(shape) <= _MEMO_MAX_ROWS:
+        if _memo_rows + len(shape) > _MEMO_TOTAL_ROWS:
+            _MEMO.clear()
+            _memo_rows = 0
+        got.setflags(write=False)
+        inside.setflags(write=False)
+        _MEMO[key] = (tables, got, inside)  # the tables kept alive: their id stays theirs
+        _memo_rows += len(shape)
+    return got, inside
 
 
 def _gemm(shape: np.ndarray, tables: MeasuredTables):
@@ -209,7 +263,19 @@ def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: Meas
     measured collective (the fastest of its tables); across domains the alpha-beta time with
     its intra-domain part replaced by the measured one (counted as roofline in
     ``measured_share``)."""
-    size, n_in, n_out, intra = shape.T
+    out, inside = _looked_up(kind, shape, tables, _measured_collective)
+    out = out.copy()
+    n_out, intra = shape[:, 2], shape[:, 3]
+    one_domain = np.abs(n_out - 1.0) < 1e-9
+    spans = inside & ~one_domain
+    out[spans] = np.maximum(roofline[spans] - intra[spans] + out[spans], roofline[spans] * 0.0)
+    return out, inside, inside & one_domain
+
+
+def _measured_collective(kind: str, shape: np.ndarray, tables: MeasuredTables):
+    """The fastest measured time of each collective over its own GPU count (NaN where no
+    table has it), and whether one had it."""
+    size, n_in = shape[:, 0], shape[:, 1]
     out = np.full(len(shape), np.nan)
     inside = np.zeros(len(shape), dtype=bool)
     for gpus in (2, 4, 8):
@@ -225,10 +291,7 @@ def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: Meas
             best[faster] = got[faster]
             out[rows] = best
             inside[rows] |= ok
-    one_domain = np.abs(n_out - 1.0) < 1e-9
-    spans = inside & ~one_domain
-    out[spans] = np.maximum(roofline[spans] - intra[spans] + out[spans], roofline[spans] * 0.0)
-    return out, inside, inside & one_domain
+    return out, inside
 
 
 def _moe_formats(expert_bytes: float, gemm_bytes: float) -> tuple[str, ...]:
