@@ -401,14 +401,21 @@ def evaluate_serving_table(
     codes: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         codes.setdefault((k, gpu_of.get(hardware[i])), []).append(i)
-    frames = []
+    parts = []
     for (k, gpu), rows in codes.items():
         if timing.source == "measured":
             names, y = _evaluate_measured(k, x[rows], gpu, timing.bump)
         else:
             names, fn = _compiled(k)
             y = fn(x[rows])
-        frames.append(pd.DataFrame(y, columns=list(names), index=table.index[rows]))
+        parts.append((names, rows, y))
+    names = parts[0][0]
+    if all(n == names for n, _, _ in parts):  # one output layout (the common case): one array
+        out = np.empty((len(table), len(names)))
+        for _, rows, y in parts:
+            out[rows] = y
+        return pd.DataFrame(out, columns=list(names), index=table.index)
+    frames = [pd.DataFrame(y, columns=list(n), index=table.index[r]) for n, r, y in parts]
     return pd.concat(frames).reindex(table.index)
 
 
