@@ -398,9 +398,15 @@ def evaluate_serving_table(
         for hw in set(hardware):
             # a name the caller maps to None has no tables; an unmapped one its preset's
             gpu_of[hw] = table_set(hw, (chosen[hw] or "none") if hw in chosen else "")
-    codes: dict[tuple, list[int]] = {}
+    # rows by key object first (rows of one key usually share the object; hashing a key
+    # hashes every field), then equal keys merged
+    by_object: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
-        codes.setdefault((k, gpu_of.get(hardware[i])), []).append(i)
+        by_object.setdefault((id(k), hardware[i]), []).append(i)
+    codes: dict[tuple, list[int]] = {}
+    for rows in by_object.values():
+        i = rows[0]
+        codes.setdefault((keys[i], gpu_of.get(hardware[i])), []).extend(rows)
     parts = []
     for (k, gpu), rows in codes.items():
         if timing.source == "measured":

@@ -355,6 +355,7 @@ def _variants(case: Case) -> tuple[Case, ...]:
 
 def prepare(cases: list[Case]) -> Prepared:
     rows, keys, index, out, variants = [], [], {}, {}, {}
+    one_of: dict = {}  # equal keys as one object: evaluations group rows by key identity
     for case in cases:
         options = _variants(case)
         if len(options) > 1:
@@ -368,7 +369,7 @@ def prepare(cases: list[Case]) -> Prepared:
                 continue
             index[variant.id] = len(rows)
             rows.append(row)
-            keys.append(key)
+            keys.append(one_of.setdefault(key, key))
         if len(reasons) == len(options):
             out[case.id] = reasons[0]
     return Prepared(pd.DataFrame(rows), keys, index, out, variants)
