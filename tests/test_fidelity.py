@@ -4,6 +4,7 @@ ZeRO-3 schedules, latency floors, per-stage layer splits."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import sympy as sp
@@ -191,6 +192,32 @@ def test_zero2_gathers_parameters_once_per_step_zero3_every_microbatch():
     assert bytes_[2, 32] == pytest.approx(2.0)  # 16-bit weights, once per step
     assert bytes_[2, 64] == pytest.approx(2.0)
     assert bytes_[3, 64] == pytest.approx(2 * bytes_[3, 32], rel=1e-6)
+
+
+def test_zero2_reduce_scatters_run_under_the_next_microbatch():
+    """ZeRO-2 keeps its parameters gathered for the step, so the data-parallel communicator
+    carries only the micro-batches' gradient reduce-scatters, each under the compute that
+    follows it (Llama 3, sec. 3.3.2: FSDP without resharding after forward). While one
+    micro-batch's reduce-scatters take less than its compute, more micro-batches expose
+    nothing more; on a network too slow for that, each adds the same difference."""
+    model = load_model("llama3_8b")
+    still = replace(H100, overlap_slowdown=0.0)  # overlapped compute at full speed
+    plan = ParallelPlan(dp=16, zero_stage=2, micro_batch_size=1)
+
+    def exposed(micro_batches: int, inter_bytes_per_s: float) -> float:
+        training = TrainingSpec(seq_len=4096, global_batch_size=16 * micro_batches)
+        cluster = load_cluster("dgx_h100", num_gpus=16)
+        cluster = replace(cluster, inter_bandwidth_bytes_per_s=inter_bytes_per_s)
+        r = evaluate_plan(model, training, plan, hardware=still, cluster=cluster)
+        return r["zero_comm_s"]
+
+    fast = [exposed(m, 50e9) for m in (1, 2, 8)]
+    assert fast[0] > 0  # the last micro-batch's last reduce-scatter has nothing after it
+    assert fast[1] == pytest.approx(fast[0]) and fast[2] == pytest.approx(fast[0])
+    slow = [exposed(m, 0.5e9) for m in (1, 2, 8)]
+    per_microbatch = slow[1] - slow[0]
+    assert per_microbatch > 0
+    assert slow[2] - slow[0] == pytest.approx(7 * per_microbatch)
 
 
 def test_fsdp_opt_175b_published_utilization():

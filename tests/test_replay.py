@@ -36,9 +36,6 @@ STAGE_IMBALANCE = (0.92, 0.99)
 """Pipeline stages of unequal time (embedding on the first, output layer and loss on the
 last, uneven splits): the closed form runs warm-up and cool-down at the slowest stage's pace,
 ``(m + pp - 1) t_max``; the replay runs each stage at its own."""
-RS_INTO_NEXT_FORWARD = (0.85, 0.99)
-"""ZeRO-2: a micro-batch's reduce-scatters run on under the next micro-batch's forward,
-which has no data-parallel traffic; the closed form keeps them to their own backward."""
 CP_FIRST_EXCHANGE = (1.0, 1.04)
 """Context parallel: each layer's first K/V exchange is exposed in the trace, the closed form
 hides the whole ring under attention."""
@@ -52,11 +49,11 @@ TRAINING_KINDS = {
     ),
     "uneven split": (LLAMA8, dict(tp=2, pp=3, dp=1, stage_layers="2,3,3"), STAGE_IMBALANCE),
     "zero-1": (LLAMA8, dict(dp=8, zero_stage=1), AGREE),
-    "zero-2": (LLAMA8, dict(dp=8, zero_stage=2), RS_INTO_NEXT_FORWARD),
+    "zero-2": (LLAMA8, dict(dp=8, zero_stage=2), AGREE),
     "zero-3": (LLAMA8, dict(dp=8, zero_stage=3), (0.98, 1.025)),
     "zero-3 full recompute": (LLAMA8, dict(dp=8, zero_stage=3, recompute="full"), AGREE),
     "tp 8 + zero-3, 64 ranks": (LLAMA8, dict(tp=8, dp=8, zero_stage=3), AGREE),
-    "tp 8 + zero-2, 64 ranks": (LLAMA8, dict(tp=8, dp=8, zero_stage=2), RS_INTO_NEXT_FORWARD),
+    "tp 8 + zero-2, 64 ranks": (LLAMA8, dict(tp=8, dp=8, zero_stage=2), AGREE),
     "two nodes, dp 16": (LLAMA4, dict(dp=16), AGREE),
     "two nodes, dp 16, zero-1": (LLAMA4, dict(dp=16, zero_stage=1), AGREE),
     "two nodes, dp 16, zero-2": (LLAMA4, dict(dp=16, zero_stage=2), AGREE),

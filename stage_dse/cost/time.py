@@ -62,8 +62,12 @@ Model, in order of the terms of ``time_step_s``:
   reduce-scatter share the NIC, so their times add. What a layer's collectives take beyond its
   neighbour's compute is exposed, layer by layer and phase by phase (a sum over layers, not one
   max over the micro-batch); the first gather and the last reduce-scatter of each micro-batch
-  are exposed whole. ZeRO-2's per-micro-batch reduce-scatter follows the same rule; its
-  parameter all-gather happens once per step, after the optimizer.
+  are exposed whole. ZeRO-2 gathers its parameters once per step (after the optimizer), so
+  its per-micro-batch reduce-scatters are the only traffic on the data-parallel communicator:
+  they queue there and run under whatever compute follows, the next micro-batch's forward (in
+  a pipeline schedule, other chunks' forwards and backwards). What one micro-batch's take
+  beyond its time on the other communicators and compute is exposed; only the last micro-
+  batch's follow the layer-by-layer rule.
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
   slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``. Stages hold the layers
   ``plan.stage_layers`` gives them (:mod:`stage_dse.spec.stages`); the first (with the
@@ -449,6 +453,7 @@ def _derive_time(key: CostKey, measured: bool):
         ep = tot("ep_comm")
         if key.ep_comm_overlap:  # hidden under another micro-batch's compute (DualPipe)
             ep = _hidden(ep, compute)
+        cp = _hidden(tot("cp_comm"), tot("attention"))  # the ring under attention
         # ZeRO-2/3: each layer's collectives overlap only the neighbouring layer's compute and
         # its exposed tensor-parallel traffic (another communicator), prefetch depth one, so
         # what exceeds it is exposed layer by layer; the first gather and the last reduce-
@@ -478,6 +483,16 @@ def _derive_time(key: CostKey, measured: bool):
                 _sum([k * _hidden(sec.zero_bwd_comm, bcover(sec)) for sec, k in parts])
                 + _min(blk.zero_bwd_comm, bcover(blk))
             )
+            if key.graph.zero_stage == 2:
+                # ZeRO-2 keeps its parameters gathered for the whole step: the data-parallel
+                # communicator carries only the micro-batches' gradient reduce-scatters, which
+                # queue on it and run under whatever compute comes next (the next micro-batch's
+                # forward; in a pipeline, the other chunks' forwards and backwards). Only the
+                # last micro-batch's have nothing after them but its own backward. The cover
+                # is the micro-batch's time on the other communicators too (tensor, expert and
+                # context parallel), as the layer chain's is.
+                cover = compute + tp + ep + cp
+                zero = ((m - 1) * _hidden(tot("zero_bwd_comm"), cover) + zero) / m
         # ZeRO-1/2 parameter gathers under the first micro-batch's forward, the same chain
         param_chain = gather_chain("param_gather_step")
         return {
@@ -486,7 +501,7 @@ def _derive_time(key: CostKey, measured: bool):
             "bwd": bwd,
             "tp": define(f"{label}_tp", tp),
             "ep": define(f"{label}_ep", ep),
-            "cp": define(f"{label}_cp", _hidden(tot("cp_comm"), tot("attention"))),
+            "cp": define(f"{label}_cp", cp),
             "zero": define(f"{label}_zero", zero),
             "grad_sync": define(f"{label}_grad_sync", tot("grad_sync_step")),
             "param_gather": define(f"{label}_param_gather", tot("param_gather_step")),
