@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-case lines")
     p.add_argument("--fit", action="store_true",
                    help="refit the physical parameters and the leave-one-source-out folds "
-                   "(3-9 minutes per timing source on 2 cores)")  # fmt: skip
+                   "(both timing sources: ~75 minutes wall, 8,600 CPU-s on 2 cores)")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
@@ -239,7 +239,11 @@ def _record(summaries: dict, fits: dict, recorded: dict) -> None:
     for timing, (summary, _, _) in summaries.items():
         old = recorded.get("timings", {}).get(timing, {})
         folds = (
-            {s: {k: round(v, 4) for k, v in th.items()} for s, th in fits[timing].folds.items()}
+            # significant digits, not decimals: engine costs are fractions of a millisecond
+            {
+                s: {k: float(f"{v:.5g}") for k, v in th.items()}
+                for s, th in fits[timing].folds.items()
+            }
             if timing in fits
             else old.get("folds", {})
         )
