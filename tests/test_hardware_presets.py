@@ -152,9 +152,12 @@ def test_a_job_that_is_no_whole_number_of_nvl72_racks_is_told_its_even_split():
 
 def test_mi325x_is_the_mi300x_die_at_the_clock_its_power_limit_sustains():
     """MI325X: the MI300X's peaks and die with more, faster HBM; its GEMMs run 843 / 708 times
-    the MI300X's (AMD's measured max-achievable bf16 FLOPs, 1,447 against 1,207 MHz), and a
-    compute-bound step on it is faster by no more than that."""
-    mi325x, mi300x = load_hardware("mi325x"), load_hardware("mi300x")
+    the MI300X's kernel benchmark (AMD's measured max-achievable bf16 FLOPs, 1,447 against
+    1,207 MHz), and a compute-bound step on it is faster by no more than that. The MI300X
+    preset's GEMM efficiencies are fitted on 2024 PyTorch training runs (far below its kernels);
+    the comparison is with its kernel-benchmark 0.5 (FP8 at the presets' 0.8 of it)."""
+    mi325x = load_hardware("mi325x")
+    mi300x = load_hardware("mi300x").replace(gemm_efficiency=0.5, fp8_gemm_efficiency=0.4)
     assert mi325x.peak_flops == pytest.approx(mi300x.peak_flops, rel=1e-3)
     assert mi325x.peak_fp8_flops == pytest.approx(mi300x.peak_fp8_flops, rel=1e-3)
     assert mi325x.hbm_bytes > mi300x.hbm_bytes

@@ -62,12 +62,10 @@ Model, in order of the terms of ``time_step_s``:
   reduce-scatter share the NIC, so their times add. What a layer's collectives take beyond its
   neighbour's compute is exposed, layer by layer and phase by phase (a sum over layers, not one
   max over the micro-batch); the first gather and the last reduce-scatter of each micro-batch
-  are exposed whole. ZeRO-2 gathers its parameters once per step (after the optimizer), so
-  its per-micro-batch reduce-scatters are the only traffic on the data-parallel communicator:
-  they queue there and run under whatever compute follows, the next micro-batch's forward (in
-  a pipeline schedule, other chunks' forwards and backwards). What one micro-batch's take
-  beyond its time on the other communicators and compute is exposed; only the last micro-
-  batch's follow the layer-by-layer rule.
+  are exposed whole. ZeRO-2 gathers its parameters once per step, so its reduce-scatters are
+  the data-parallel communicator's only traffic: they run under whatever follows (the next
+  micro-batch, other chunks in a pipeline); what exceeds a micro-batch's time is exposed, and
+  only the last micro-batch's follow the layer-by-layer rule.
 * **Pipeline** (Narayanan et al. SC21 sec. 2.2): ``(m + (pp-1)/v) * t_microbatch`` on the
   slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``. Stages hold the layers
   ``plan.stage_layers`` gives them (:mod:`stage_dse.spec.stages`); the first (with the
@@ -484,13 +482,8 @@ def _derive_time(key: CostKey, measured: bool):
                 + _min(blk.zero_bwd_comm, bcover(blk))
             )
             if key.graph.zero_stage == 2:
-                # ZeRO-2 keeps its parameters gathered for the whole step: the data-parallel
-                # communicator carries only the micro-batches' gradient reduce-scatters, which
-                # queue on it and run under whatever compute comes next (the next micro-batch's
-                # forward; in a pipeline, the other chunks' forwards and backwards). Only the
-                # last micro-batch's have nothing after them but its own backward. The cover
-                # is the micro-batch's time on the other communicators too (tensor, expert and
-                # context parallel), as the layer chain's is.
+                # the reduce-scatters alone queue on the communicator, under the next
+                # micro-batch's work; the last micro-batch's follow the chain (module doc)
                 cover = compute + tp + ep + cp
                 zero = ((m - 1) * _hidden(tot("zero_bwd_comm"), cover) + zero) / m
         # ZeRO-1/2 parameter gathers under the first micro-batch's forward, the same chain
