@@ -4,7 +4,6 @@ ZeRO-3 schedules, latency floors, per-stage layer splits."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import sympy as sp
@@ -201,13 +200,13 @@ def test_zero2_reduce_scatters_run_under_the_next_microbatch():
     micro-batch's reduce-scatters take less than its compute, more micro-batches expose
     nothing more; on a network too slow for that, each adds the same difference."""
     model = load_model("llama3_8b")
-    still = replace(H100, overlap_slowdown=0.0)  # overlapped compute at full speed
+    still = H100.replace(overlap_slowdown=0.0)  # overlapped compute at full speed
     plan = ParallelPlan(dp=16, zero_stage=2, micro_batch_size=1)
 
     def exposed(micro_batches: int, inter_bytes_per_s: float) -> float:
         training = TrainingSpec(seq_len=4096, global_batch_size=16 * micro_batches)
         cluster = load_cluster("dgx_h100", num_gpus=16)
-        cluster = replace(cluster, inter_bandwidth_bytes_per_s=inter_bytes_per_s)
+        cluster = cluster.replace(inter_bandwidth_bytes_per_s=inter_bytes_per_s)
         r = evaluate_plan(model, training, plan, hardware=still, cluster=cluster)
         return r["zero_comm_s"]
 

@@ -50,6 +50,8 @@ time and is counted as such.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pandas as pd
 
@@ -121,7 +123,8 @@ _memo_rows = 0
 
 
 def _looked_up(table: str, shape: np.ndarray, tables: MeasuredTables, lookup=None):
-    """A table's lookup of ``shape``, remembered: a fit or a serving fixed point asks for the
+    """A table's lookup of ``shape`` (``LOOKUPS[table]`` unless ``lookup`` is given, called
+    with the shapes and tables alike), remembered: a fit or a serving fixed point asks for the
     same shapes again and again (the tables' times depend on nothing else), only the roofline
     around them moves. Results are read-only arrays."""
     global _memo_rows
@@ -130,10 +133,7 @@ def _looked_up(table: str, shape: np.ndarray, tables: MeasuredTables, lookup=Non
     hit = _MEMO.get(key)
     if hit is not None and hit[0] is tables:
         return hit[1], hit[2]
-    if lookup is None:
-        got, inside = LOOKUPS[table](shape, tables)
-    else:
-        got, inside = lookup(table, shape, tables)
+    got, inside = (LOOKUPS[table] if lookup is None else lookup)(shape, tables)
     if len(shape) <= _MEMO_MAX_ROWS:
         if _memo_rows + len(shape) > _MEMO_TOTAL_ROWS:
             _MEMO.clear()
@@ -263,7 +263,7 @@ def _collective(kind: str, shape: np.ndarray, roofline: np.ndarray, tables: Meas
     measured collective (the fastest of its tables); across domains the alpha-beta time with
     its intra-domain part replaced by the measured one (counted as roofline in
     ``measured_share``)."""
-    out, inside = _looked_up(kind, shape, tables, _measured_collective)
+    out, inside = _looked_up(kind, shape, tables, partial(_measured_collective, kind))
     out = out.copy()
     n_out, intra = shape[:, 2], shape[:, 3]
     one_domain = np.abs(n_out - 1.0) < 1e-9
