@@ -19,7 +19,7 @@ from stage_dse.validation.corpus import CorpusError, load_corpus, read_file
 from stage_dse.validation.fit import Parameter, Problem, fit, leave_one_source_out, loss
 from stage_dse.validation.report import group_summary, ranking_pairs
 from stage_dse.validation.resolve import Unexpressible
-from stage_dse.validation.serving import VARIANT, prepare
+from stage_dse.validation.serving import VARIANT, evaluate_serving, prepare
 from stage_dse.validation.training import training_setup
 
 CASES = load_corpus()
@@ -57,6 +57,36 @@ def test_every_serving_case_resolves_or_names_what_is_missing():
     # an unstated KV-cache dtype beside quantized weights ranges over bf16 and fp8
     for cid, variants in prepared.variants.items():
         assert {v.fields["kv"] for v in variants} == {"bf16", "fp8"}, cid
+
+
+def test_the_figures_of_one_run_take_one_variant():
+    """A run whose KV-cache dtype is unstated is the variant it serves fastest, for its
+    throughput and its latencies alike: where FP8 cache buys throughput with a bigger batch
+    (a slower step), the TPOT printed beside that throughput is the FP8 run's too."""
+    stem = "gpustack_gptoss120b_h100_vllm_tp1_rand2000_100_"
+    pair = [c for c in CASES if c.id in (stem + "total_tok_s", stem + "tpot_ms")]
+    assert len(pair) == 2
+    unstated = [
+        dataclasses.replace(
+            c,
+            fields={k: v for k, v in c.fields.items() if k != "kv"},
+            unstated=(*c.unstated, "kv"),
+        )
+        for c in pair
+    ]
+
+    def stated(kv):
+        cases = [dataclasses.replace(c, fields={**c.fields, "kv": kv}) for c in pair]
+        return evaluate_serving(cases).set_index("case")["predicted"]
+
+    bf16, fp8 = stated("bf16"), stated("fp8")
+    faster, other = (
+        (fp8, bf16) if fp8[stem + "total_tok_s"] > bf16[stem + "total_tok_s"] else (bf16, fp8)
+    )
+    # the case this test is for: the faster variant has the slower TPOT
+    assert faster[stem + "tpot_ms"] > other[stem + "tpot_ms"]
+    got = evaluate_serving(unstated).set_index("case")["predicted"]
+    assert got.to_dict() == pytest.approx(faster.to_dict(), rel=1e-12)
 
 
 GOOD = """\

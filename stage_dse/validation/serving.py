@@ -519,26 +519,41 @@ def evaluate_serving(
                 "hardware": f["hardware"],
                 "num_gpus": f["n_gpus"],
                 "workload": f"isl{f['isl']} osl{f['osl']}",
+                "requests_per_s": req_s,
             }
         )
     return _best_variant(pd.DataFrame(results), asked, prepared)
 
 
+# what a record says about where its figure was printed, not about the run
+_NOT_THE_RUN = ("id", "where", "quote", "notes")
+
+
+def _run_of(case: Case) -> str:
+    """The run a case's figure comes from: its fields but the figure's own (several figures
+    printed by one benchmark run are cases with equal runs)."""
+    return repr(sorted((k, repr(v)) for k, v in case.fields.items() if k not in _NOT_THE_RUN))
+
+
 def _best_variant(results: pd.DataFrame, asked: list[Case], prepared: Prepared) -> pd.DataFrame:
-    """One row per asked case: among its variants that fit, the most favourable metric
-    (highest throughput, lowest latency)."""
+    """One row per asked case: among its variants that fit, the one its run serves fastest
+    (the most requests per second over the run's variants), the same for every figure of one
+    run: a benchmark ran one configuration, whose throughput and latencies it printed
+    together."""
     if not prepared.variants or not len(results):
-        return results
+        return results.drop(columns="requests_per_s", errors="ignore")
     base = results["case"].str.split(VARIANT, regex=False).str[0]
-    kinds = {c.id: c.target_kind for c in asked}
-    lower = base.map(lambda b: kinds.get(b, "") in LOWER_IS_BETTER).to_numpy()
+    option = results["case"].str.split(VARIANT, regex=False).str[1].fillna("")
+    runs = {c.id: _run_of(c) for c in asked}
+    run = base.map(runs).fillna(base).to_numpy()
     ok = (results["status"] == "ok").to_numpy()
-    score = np.where(lower, 1.0, -1.0) * results.get("predicted", pd.Series(np.nan)).to_numpy(float)
-    score = np.where(ok & np.isfinite(score), score, np.inf)
-    order = np.lexsort((score, base.to_numpy()))
-    best = results.iloc[order].assign(case=base.iloc[order].to_numpy())
+    rate = results["requests_per_s"].to_numpy(float)
+    rate = np.where(ok & np.isfinite(rate), rate, -np.inf)
+    # a run's variant: the one with the highest rate summed over the run's figures
+    speed = pd.DataFrame({"run": run, "option": option, "rate": rate})
+    per_option = speed.groupby(["run", "option"], sort=False)["rate"].sum()
+    chosen = per_option.groupby(level="run", sort=False).idxmax().map(lambda ro: ro[1])
+    keep = option.to_numpy() == chosen.reindex(run).to_numpy()
+    best = results[keep].assign(case=base[keep].to_numpy()).drop(columns="requests_per_s")
     best = best.drop_duplicates("case", keep="first").set_index("case")
     return best.loc[[c.id for c in asked]].reset_index()
-
-
-LOWER_IS_BETTER = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_s")
