@@ -19,10 +19,10 @@ from stage_dse.runner.serving import serving_row
 from stage_dse.spec.serving import ServingSpec
 
 
-def serving_rows(model="llama3_8b", hardware="h100_sxm", tp=1, prompt=2048, out=256, **hw):
+def serving_rows(model="llama3_8b", hardware="h100_sxm", tp=1, prompt=2048, out=256, pp=1, **hw):
     serving = ServingSpec(prompt_len=prompt, output_tokens=out, batch_size=1)
     m, h = load_model(model), load_hardware(hardware, **hw)
-    row, key = serving_row(m, serving, h, load_cluster("dgx_h100"), tp)
+    row, key = serving_row(m, serving, h, load_cluster("dgx_h100"), tp, pp)
     return pd.DataFrame([row]), [key]
 
 
@@ -40,6 +40,37 @@ def test_one_running_request_with_a_whole_prompt_budget_is_the_static_batch_of_o
     # one request at a time: its prefill, then its 256 decode steps
     per_request = static["serve_ttft_s"] + 256 * static["serve_tpot_s"]
     assert cb["cb_requests_per_s"] == pytest.approx(1 / per_request, rel=1e-12)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_stages_run_one_batch_in_flight_each(pp):
+    """With pp stages and pp running requests, each stage's batch is one request: its TTFT
+    and TPOT are the static batch of one passing through every stage (the hops included),
+    and the stages complete pp requests in the time one takes."""
+    table, keys = serving_rows("llama3_70b", tp=2, prompt=1000, pp=pp)
+    static = evaluate_serving_table(table, keys).iloc[0]
+    cb = continuous_batching(table, keys, max_running=pp, prefill_budget=1000).iloc[0]
+    assert cb["cb_ttft_s"] == pytest.approx(static["serve_ttft_s"], rel=1e-12)
+    assert cb["cb_tpot_s"] == pytest.approx(static["serve_tpot_s"], rel=1e-12)
+    per_request = static["serve_ttft_s"] + 256 * static["serve_tpot_s"]
+    assert cb["cb_requests_per_s"] == pytest.approx(pp / per_request, rel=1e-12)
+    assert cb["cb_running"] == pytest.approx(pp, rel=1e-9)
+
+
+def test_pipeline_stages_share_the_running_slots_and_the_clients():
+    """A replica of pp stages is pp batches in flight, each with its share of the running
+    limit and of the clients: N clients run N requests (pp batches of N / pp decoding), and
+    by Little's law N over the replica's rate is one request's latency; a limit below N
+    holds each batch to its share and the rest wait."""
+    table, keys = serving_rows("llama3_70b", tp=2, prompt=1000, pp=4)
+    free = continuous_batching(table, keys, 64, 2048, clients=np.array([32.0])).iloc[0]
+    assert free["cb_running"] == pytest.approx(32.0, rel=1e-9)
+    assert free["cb_decode_batch"] == pytest.approx(8.0, rel=0.01)
+    latency = free["cb_ttft_s"] + 255 * free["cb_tpot_s"]
+    assert 32.0 / free["cb_requests_per_s"] == pytest.approx(latency, rel=0.02)
+    capped = continuous_batching(table, keys, 16, 2048, clients=np.array([32.0])).iloc[0]
+    assert capped["cb_running"] == pytest.approx(16.0, rel=1e-9)
+    assert capped["cb_ttft_s"] > free["cb_ttft_s"] and capped["cb_tpot_s"] < free["cb_tpot_s"]
 
 
 def test_tpot_grows_with_the_running_requests_and_so_does_throughput():

@@ -75,8 +75,19 @@ Balance Strategy", measures the loss: "the iteration time is dominated by the sl
   weights and the working set of the widest step (``C`` tokens, or fewer when ``R`` prompts
   are shorter), within the pool the engine sizes by its own rule (:func:`kv_pool_bytes`).
 
+* **Pipeline stages** (``pp > 1``): an engine keeps ``pp`` batches in flight, one per stage
+  (vLLM's ``max_concurrent_batches``: "PP requires PP-size concurrent batches to fill the
+  pipeline", ``vllm/config/vllm.py``; SGLang's and TensorRT-LLM's pipeline micro-batches
+  likewise). Each is an engine of its own over ``R / pp`` of the running slots and ``1 / pp``
+  of the load (arrivals, clients, a burst's requests), whose step is a whole pass through
+  every stage at its batch (the serving program's time with its ``pp`` stages and their
+  hops); the budget ``C`` is each batch's. The stages' throughputs add, ``pp`` times one
+  batch's; TTFT and TPOT are a batch's. The KV cache per sequence is its stage's layers on
+  each GPU, so each batch holds ``1 / pp`` of what fits. Unequal batches in flight (a prompt
+  step beside decode-only ones) idle the other stages for the difference: not counted.
+
 With ``C = P`` and ``R = 1`` every step is a whole prefill or a single decode, and TTFT and
-TPOT are exactly the static batch-1 ones. One pipeline stage per replica (``pp = 1``).
+TPOT are exactly the static batch-1 ones.
 """
 
 from __future__ import annotations
@@ -122,7 +133,8 @@ def continuous_batching(
 ) -> pd.DataFrame:
     """Steady state of every serving row (see the module docstring). ``table`` and ``keys``
     as for :func:`~stage_dse.cost.serving.evaluate_serving_table` (``serving_options`` go to
-    it); ``max_running`` (R), ``prefill_budget`` (C, tokens per step), ``arrival_rate``
+    it); ``max_running`` (R, over every batch in flight), ``prefill_budget`` (C, tokens per step),
+    ``arrival_rate``
     (requests/s per replica; 0: saturated), ``clients`` (closed loop of N users; 0: none) and
     ``burst`` (N requests at once; 0: none) are scalars or arrays over the rows;
     ``draft_tokens`` and ``acceptance``: speculative decoding; ``mix``:
@@ -133,8 +145,6 @@ def continuous_batching(
     n_rows = len(table)
     if n_rows == 0:
         return pd.DataFrame(index=table.index)
-    if (table["pp"] != 1).any():
-        raise ConfigError("continuous batching is modelled for one pipeline stage: serving.pp=[1]")
     R = _array(max_running, n_rows)
     C = _array(prefill_budget, n_rows)
     lam = _array(arrival_rate, n_rows)
@@ -188,6 +198,10 @@ def continuous_batching(
         classes = mix_classes(mix, n_rows)
     step_over = _column(table, "step_overhead_s")
     replicas = table["dp"].to_numpy(float)  # attention ranks of an expert-parallel replica
+    # pipeline stages: as many batches in flight, each with its share of the running slots
+    stages = table["pp"].to_numpy(float)
+    lanes = replicas * stages
+    R = np.maximum(R / stages, 1.0)
     async_dp = (replicas > 1) & (_column(table, "dp_context_sync") == 0)
     request_over = _column(table, "request_overhead_s")
     layers = table["layers"].to_numpy(float)
@@ -344,7 +358,7 @@ def continuous_batching(
     # saturated: as many running as the slots allow, the budget permitting
     r_sat = slot_rate(slots)
     sat = times(everyone, r_sat, np.zeros(n_rows, dtype=bool))
-    mu = r_sat / sat["step"]  # requests/s per attention rank at saturation
+    mu = r_sat / sat["step"]  # requests/s per batch in flight at saturation
 
     r = r_sat.copy()
     res = {key: (v.copy() if isinstance(v, np.ndarray) else [x.copy() for x in v])
@@ -360,7 +374,7 @@ def continuous_batching(
             else:
                 res[key][rows] = v
 
-    lam_rank = lam / replicas  # arrivals per attention rank
+    lam_rank = lam / lanes  # arrivals per batch in flight of an attention rank
     # open loop below saturation: the fixed point of r = lambda T(r)
     below = np.flatnonzero((lam > 0) & (lam_rank < mu) & ok)
     if len(below):
@@ -400,7 +414,7 @@ def continuous_batching(
     # closed loop: min(N, slots) running, the others queue
     cl = np.flatnonzero((users > 0) & ok)
     if len(cl):
-        per_rank = np.maximum(users / replicas, 1.0)
+        per_rank = np.maximum(users / lanes, 1.0)
         x = slot_rate(np.minimum(per_rank, slots), cl)
         got = times(cl, x, np.zeros(len(cl), dtype=bool))
         put(cl, got)
@@ -413,7 +427,7 @@ def continuous_batching(
     t_mix, t_dec, step, tpot = res["t_mix"], res["t_dec"], res["step"], res["tpot"]
     p_bar = mean(res["p_i"])
     p_long = np.maximum.reduce(res["p_i"])
-    rate = r / step  # requests/s per attention rank
+    rate = r / step  # requests/s per batch in flight
     ttft = p_bar * t_mix + wait
     ttft_long = p_long * t_mix + wait
     makespan = np.full(n_rows, np.nan)
@@ -421,7 +435,7 @@ def continuous_batching(
     # burst: fill, then slots free at the saturated rate, then drain
     bu = np.flatnonzero((sent > 0) & ok)
     if len(bu):
-        n_req = sent[bu] / replicas[bu]
+        n_req = sent[bu] / lanes[bu]
         first = np.minimum(n_req, slots[bu])
         fill_tokens = np.minimum(C[bu], first * p_mean[bu])
         fill_steps = np.maximum(first * p_mean[bu] / fill_tokens, 1.0)
@@ -478,7 +492,7 @@ def continuous_batching(
         mode[bu] = "burst"
 
     gpus = table["tp"].to_numpy(float) * table["pp"].to_numpy(float) * replicas
-    requests = rate * replicas  # requests/s of the replica
+    requests = rate * lanes  # requests/s of the replica
     tokens = requests * out_len
     bound = np.where(
         ~ok,
@@ -491,7 +505,7 @@ def continuous_batching(
     )
     out = pd.DataFrame(
         {
-            "cb_running": res["running"],
+            "cb_running": res["running"] * stages,
             "cb_decode_batch": res["d"],
             "cb_chunk_tokens": res["q"],
             "cb_step_s": step,
@@ -501,13 +515,13 @@ def continuous_batching(
             "cb_ttft_longest_s": ttft_long,
             "cb_tpot_s": tpot,
             "cb_requests_per_s": requests,
-            "cb_saturated_requests_per_s": mu * replicas,
+            "cb_saturated_requests_per_s": mu * lanes,
             "cb_tokens_per_s": tokens,
             "cb_tokens_per_s_per_gpu": tokens / gpus,
             "cb_total_tokens_per_s_per_gpu": requests * (p_mean + out_len) / gpus,
             "cb_tokens_per_s_per_user": 1.0 / tpot,
             "cb_makespan_s": makespan,
-            "cb_kv_capacity_seqs": capacity,
+            "cb_kv_capacity_seqs": capacity * stages,
             "cb_working_bytes": widest["serve_working_bytes"].to_numpy(),
             "cb_load": mode.astype(str),
             "cb_bound": bound.astype(str),

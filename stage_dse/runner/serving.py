@@ -121,9 +121,6 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
         spec.hardware, tps, spec.pp, spec.ep, spec.batch_sizes, prompts, budgets
     ):
         report.candidates += 1
-        if continuous and pp != 1:
-            report.rejected["continuous batching is modelled for pp = 1"] += 1
-            continue
         try:
             serving = ServingSpec(
                 prompt_len=prompt,
@@ -274,7 +271,8 @@ def _continuous(
     out["measured_share"] = measured_step_share(
         table, keys, timing, cb["cb_step_s"], *args, mix=mix, **loads
     )
-    per_seq = static["serve_kv_cache_bytes"] / table["micro_batch"]
+    # the static program holds pp batches of micro_batch in flight: a sequence's cache on a GPU
+    per_seq = static["serve_kv_cache_bytes"] / (table["micro_batch"] * table["pp"])
     running = cb["cb_running"].fillna(0.0)
     out["serve_kv_cache_bytes"] = running * per_seq
     out["serve_working_bytes"] = cb["cb_working_bytes"]  # the widest engine step's

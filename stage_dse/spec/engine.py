@@ -67,6 +67,12 @@ class EngineSpec:
     divided by the ranks (SGLang: ``max_running_requests // dp_size``); off, the limit is each
     rank's own (TensorRT-LLM's ``max_batch_size``, "max batch size in each rank"; vLLM's
     ``max_num_seqs`` per data-parallel engine)."""
+    running_limit_per_stage: bool = False
+    """With pipeline stages, the running-request limit bounds each batch in flight, the engine
+    holding ``pp`` times as many (TensorRT-LLM: ``max_num_active_requests`` is
+    ``get_max_num_sequences()``, ``pp_size * max_batch_size``,
+    ``tensorrt_llm/_torch/pyexecutor/model_engine.py``); off, it bounds all of them together
+    (vLLM's scheduler holds ``max_num_seqs`` running over its ``pp`` concurrent batches)."""
     dp_context_sync: bool = False
     """With attention data-parallel, the ranks run their prompts in the same iterations
     (TensorRT-LLM's ``attention_dp_config.enable_balance``); off (every engine's default), each
@@ -97,6 +103,7 @@ class EngineSpec:
         for field in (
             "dp_attention_splits_budget",
             "dp_attention_splits_running",
+            "running_limit_per_stage",
             "dp_context_sync",
         ):
             if not isinstance(getattr(self, field), bool):

@@ -96,8 +96,6 @@ def _row(case: Case):
     cluster = load_cluster(f["cluster"], num_gpus=max(f["n_gpus"], tp * pp * ep))
     continuous = f["mode"] in ("inflight_max", "online_rate", "burst", "closed_loop")
     engine = case_engine(case)
-    if continuous and pp > 1:
-        raise Unexpressible(f"continuous batching over pp({pp}) pipeline stages is not modelled")
     if continuous and engine.name == "none":
         for key in ("max_batch", "max_num_tokens"):
             if key not in f:
@@ -204,6 +202,13 @@ def _running_split(f: dict, case: Case) -> int:
     (``EngineSpec.dp_attention_splits_running``: SGLang); elsewhere the limit is each rank's
     (TensorRT-LLM's ``max_batch_size`` "in each rank", vLLM's ``max_num_seqs`` per engine)."""
     return _dp_split(f, case_engine(case).dp_attention_splits_running)
+
+
+def _stage_batches(f: dict, case: Case) -> int:
+    """Batches in flight the engine's running-request limit applies to each of: the pipeline
+    stages on an engine whose limit is per batch (``EngineSpec.running_limit_per_stage``:
+    TensorRT-LLM), else 1 (the limit covers all of them)."""
+    return f.get("pp", 1) if case_engine(case).running_limit_per_stage else 1
 
 
 def _dp_split(f: dict, splits: bool) -> int:
@@ -442,7 +447,10 @@ def evaluate_serving(
                 [keys[i] for i in sel],
                 # the engine's limit per attention rank
                 np.array(
-                    [m / _running_split(x, by_id[cid]) for (m, _), x, cid in zip(limits, f, cont)],
+                    [
+                        m * _stage_batches(x, by_id[cid]) / _running_split(x, by_id[cid])
+                        for (m, _), x, cid in zip(limits, f, cont)
+                    ],
                     dtype=float,
                 ),
                 np.array(
