@@ -73,6 +73,16 @@ def test_pipeline_stages_share_the_running_slots_and_the_clients():
     assert capped["cb_ttft_s"] > free["cb_ttft_s"] and capped["cb_tpot_s"] < free["cb_tpot_s"]
 
 
+def test_an_engine_profile_says_whether_its_running_limit_is_per_stage():
+    from stage_dse.config import load_engine
+    from stage_dse.config.presets import engine_from_dict
+
+    assert load_engine("trtllm").running_limit_per_stage
+    assert not load_engine("vllm").running_limit_per_stage
+    with pytest.raises(ConfigError, match=r"engine\.running_limit_per_stage must be true or false"):
+        engine_from_dict({"running_limit_per_stage": "sometimes"})
+
+
 def test_tpot_grows_with_the_running_requests_and_so_does_throughput():
     table, keys = serving_rows()
     runs = [continuous_batching(table, keys, r, 2048).iloc[0] for r in (1, 2, 8, 32, 64)]

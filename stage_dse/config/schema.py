@@ -261,7 +261,8 @@ class ServingConf:
     """The pass ``stage-dse-trace config`` writes: ``decode`` (steps) or ``prefill``."""
     mode: str = "static"
     """static (batch prefilled then decoded) or continuous (iteration-level batching with
-    chunked prefill; batch_size lists the most running requests)."""
+    chunked prefill; batch_size lists the most running requests of a replica, over its pp
+    batches in flight)."""
     prefill_budget: list[int] = field(default_factory=lambda: [2048])
     """Continuous batching: prompt tokens per engine step."""
     arrival_rate: float = 0.0
