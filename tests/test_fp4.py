@@ -190,3 +190,34 @@ def test_gpt_oss_fp4_records_serve_mxfp4_experts():
     row, key = _row(case)
     assert key.graph.expert_param_bytes == 0.53125 and key.graph.param_bytes == 2
     assert row["weight_only"] == (case.fields["hardware"] in ("h100_sxm", "a100_80gb"))
+
+
+def test_int4_weights_count_a_scale_and_a_zero_per_group_of_128():
+    """AWQ / GPTQ: 4-bit integers, a 16-bit scale and a 4-bit zero per 128 values."""
+    assert DType.INT4.bytes == (4 + 20 / 128) / 8 == 0.51953125
+    _, bf16 = serve("bf16")
+    _, w4 = serve("int4")
+    ratio = w4["serve_weights_bytes"] / bf16["serve_weights_bytes"]
+    assert ratio == pytest.approx((4 + 20 / 128) / 16, rel=1e-12)
+
+
+@pytest.mark.parametrize("hw", ["h100_sxm", "a100_80gb", "b200"])
+def test_int4_weights_are_weight_only_on_every_gpu(hw):
+    """No engine multiplies INT4 weights on integer or FP4 tensor cores: the GEMMs run in
+    16-bit (Marlin's W4A16) even where the GPU has FP4 ones, and batch-1 decode streams
+    the 4-bit weights, faster than bf16; a long prefill stays at the bf16 rate."""
+    hardware = load_hardware(hw)
+    spec = ServingSpec(prompt_len=8, weights_dtype="int4")
+    assert spec.step_like(hardware).gemm_dtype is DType.BF16 and weight_only(spec, hardware)
+    row, w4 = serve("int4", hardware, "dgx_h100", tp=8)
+    _, bf16 = serve("bf16", hardware, "dgx_h100", tp=8)
+    assert row["gemm_bytes"] == 2 and row["weight_only"]
+    assert w4["serve_tpot_s"] < 0.8 * bf16["serve_tpot_s"]
+    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.02)
+
+
+def test_int4_is_a_serving_format_and_no_kv_cache_format():
+    with pytest.raises(ConfigError, match=r"^serving\.kv_dtype=int4: a 4-bit KV cache"):
+        ServingSpec(prompt_len=8, kv_dtype="int4")
+    with pytest.raises(ConfigError, match=r"^training\.params_dtype=int4 is a serving"):
+        TrainingSpec(seq_len=8, global_batch_size=8, params_dtype="int4")

@@ -154,6 +154,26 @@ def _token_and_weight_dims(op: Op) -> tuple[sp.Expr, sp.Expr]:
     return (k, _min(m, n)) if op.outputs[0].role is Role.GRAD else (m, _min(n, k))
 
 
+def _narrow_weights(op: Op) -> sp.Expr:
+    """How many times narrower a dense GEMM's stored weights are than its inputs' precision
+    (``gemm_bytes``), at least 1: 4-bit weights under 16-bit math (W4A16, weight-only). The
+    token dimension's half-saturation (``d / (d + h)``, fitted to GEMMs whose weights are as
+    wide as their inputs) is where streaming the weights stops bounding the kernel: with
+    weights ``r`` times narrower, ``r`` times fewer tokens do as much work per byte read, so
+    the tokens count ``r`` times. Dense W4A16 kernels stream 4-bit weights near the ideal
+    (Marlin, an FP16xINT4 kernel, "can deliver close to ideal (4x) speedups up to
+    batchsizes of 16-32 tokens": IST-DASLab/marlin README; Frantar et al., arXiv:2408.11743); grouped expert GEMMs do not (AIConfigurator's W4A16 MXFP4 MoE tables on H100/H200
+    reach about half the weights' streaming rate) and keep the fitted law, as do weight
+    gradients (no weight operand read) and GEMMs whose weights are at least as wide as the
+    math (training, W8A8, W4A4)."""
+    if op.outputs[0].role is Role.GRAD or touched_experts(op) is not None:
+        return sp.Integer(1)
+    widths = [t.dtype_bytes for t in op.inputs if t.role is Role.WEIGHT]
+    if not widths:
+        return sp.Integer(1)
+    return _max(1, S.gemm_bytes / widths[0])
+
+
 def _gemm_time(
     op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0, recipe: bool = True
 ) -> tuple[sp.Expr, sp.Expr]:
@@ -175,7 +195,7 @@ def _gemm_time(
     # the busiest expert-parallel rank's rows: more flops, fuller tiles (a tile holds up to
     # gemm_half_dim-scale rows, so a few extra rows in a half-empty tile cost little)
     load = busiest_rank_load(op, skew)
-    tokens = tokens * load
+    tokens = tokens * load * _narrow_weights(op)
     d = _min(tokens, width)
     shape = d / (d + S.gemm_half_dim)
     eff = S.gemm_efficiency * shape

@@ -30,6 +30,12 @@ row states it: ``param_bytes`` below 1 with ``gemm_bytes`` 2 (:func:`weight_only
 Activations between kernels are 16-bit under 4-bit weights (only the GEMMs' inputs are
 quantized).
 
+``int4`` (AWQ, GPTQ checkpoints) is weight-only on every GPU: 4-bit integers with a 16-bit
+scale and a 4-bit zero per group of 128 (:data:`~stage_dse.spec.training.BYTES_PER_VALUE`),
+dequantized inside the GEMM and multiplied on the 16-bit tensor cores, as engines run them
+(vLLM's AWQ and GPTQ Marlin kernels: ``vllm/model_executor/layers/quantization/awq_marlin.py``,
+``gptq_marlin.py``, bf16 or fp16 activations).
+
 ``expert_weights_dtype`` gives the routed experts of a mixture-of-experts model their own
 format, the rest keeping ``weights_dtype``: gpt-oss checkpoints store the expert weights in
 MXFP4 and attention, router and embeddings in bf16. The GEMMs then all run in the format of
@@ -75,7 +81,7 @@ class ServingSpec:
     """Sequences decoded together per pipeline stage; with pp stages, pp such batches are in
     flight (each stage works on one), so the KV cache holds pp x batch_size sequences."""
     weights_dtype: DType = DType.BF16
-    """``bf16``, ``fp16``, ``fp8``, ``nvfp4`` or ``mxfp4`` (``fp4``: ``nvfp4``)."""
+    """``bf16``, ``fp16``, ``fp8``, ``nvfp4``, ``mxfp4`` (``fp4``: ``nvfp4``) or ``int4``."""
     kv_dtype: DType = DType.BF16
     expert_weights_dtype: DType | None = None
     """The routed experts' weights (mixture-of-experts models), in the same formats; None:
@@ -107,7 +113,7 @@ class ServingSpec:
                 f"serving.moe_routing={self.moe_routing!r} is not one of: "
                 + ", ".join(MOE_ROUTINGS)
             )
-        if self.kv_dtype.is_fp4:
+        if self.kv_dtype.is_4bit:
             raise ConfigError(
                 f"serving.kv_dtype={self.kv_dtype.value}: a 4-bit KV cache is not modelled; "
                 "use fp8 or bf16"
@@ -189,7 +195,9 @@ def weight_only(serving: ServingSpec, hardware) -> bool:
     weights without FP8 ones (W8A16)."""
     formats = {serving.weights_dtype, serving.experts_dtype}
     no_fp4 = hardware.peak_fp4_flops <= 0 and any(d.is_fp4 for d in formats)
-    return no_fp4 or (DType.FP8 in formats and hardware.peak_fp8_flops <= 0)
+    return (
+        no_fp4 or DType.INT4 in formats or (DType.FP8 in formats and hardware.peak_fp8_flops <= 0)
+    )
 
 
 def serving_plan(model: ModelSpec, tp: int, pp: int, batch_size: int, ep: int = 1) -> ParallelPlan:

@@ -33,6 +33,7 @@ class DType(StrEnum):
     FP8 = "fp8"
     NVFP4 = "nvfp4"
     MXFP4 = "mxfp4"
+    INT4 = "int4"
 
     @property
     def bytes(self) -> float:
@@ -44,6 +45,11 @@ class DType(StrEnum):
         """A 4-bit block-scaled format (NVFP4, MXFP4)."""
         return self.value in ("nvfp4", "mxfp4")
 
+    @property
+    def is_4bit(self) -> bool:
+        """Any 4-bit weight format: NVFP4, MXFP4 or INT4 (a serving weight format only)."""
+        return self.is_fp4 or self is DType.INT4
+
 
 BYTES_PER_VALUE = {
     "fp32": 4,
@@ -52,8 +58,12 @@ BYTES_PER_VALUE = {
     "fp8": 1,
     "nvfp4": (4 + 8 / 16) / 8,
     "mxfp4": (4 + 8 / 32) / 8,
+    "int4": (4 + (16 + 4) / 128) / 8,
 }
-"""Bytes per value of each format: element bits plus the block scale's share, over 8."""
+"""Bytes per value of each format: element bits plus the block scale's share, over 8. INT4 is
+the 4-bit integer weights of AWQ and GPTQ checkpoints: a 16-bit scale and a 4-bit zero point
+per group of 128 values along the input dimension (AutoAWQ's and GPTQ's default
+``group_size: 128``, the zeros packed eight to an int32 ``qzeros``)."""
 
 
 class Optimizer(StrEnum):
@@ -165,10 +175,10 @@ class TrainingSpec:
         if not self.serving_view:
             for field in ("params_dtype", "grads_dtype", "master_dtype", "optimizer_state_dtype"):
                 value = getattr(self, field)
-                if value.is_fp4:
+                if value.is_4bit:
                     raise ConfigError(
-                        f"training.{field}={value.value} is a serving weight format (4-bit "
-                        "block-scaled): use bf16 or fp8 for training"
+                        f"training.{field}={value.value} is a serving weight format (4-bit): "
+                        "use bf16 or fp8 for training"
                     )
 
     @property

@@ -69,7 +69,9 @@ def _row(case: Case):
     f = case.fields
     check_expressible(case)
     for key in ("weights", "kv"):
-        valid = ("bf16", "fp16", "fp8") + (("fp4", "nvfp4", "mxfp4") if key == "weights" else ())
+        valid = ("bf16", "fp16", "fp8") + (
+            ("fp4", "nvfp4", "mxfp4", "int4") if key == "weights" else ()
+        )
         if f.get(key, "bf16") not in valid:
             raise Unexpressible(f"{key} dtype {f[key]!r} ({', '.join(valid)})")
     if f["mode"] == "other":
