@@ -72,7 +72,9 @@ class EngineSpec:
     holding ``pp`` times as many (TensorRT-LLM: ``max_num_active_requests`` is
     ``get_max_num_sequences()``, ``pp_size * max_batch_size``,
     ``tensorrt_llm/_torch/pyexecutor/model_engine.py``); off, it bounds all of them together
-    (vLLM's scheduler holds ``max_num_seqs`` running over its ``pp`` concurrent batches)."""
+    (vLLM's scheduler holds ``max_num_seqs`` running over its ``pp`` concurrent batches;
+    SGLang's micro-batches take ``max_running_requests // pp_size`` each,
+    ``pp_max_micro_batch_size`` in ``python/sglang/srt/managers/scheduler.py``)."""
     dp_context_sync: bool = False
     """With attention data-parallel, the ranks run their prompts in the same iterations
     (TensorRT-LLM's ``attention_dp_config.enable_balance``); off (every engine's default), each
