@@ -162,8 +162,9 @@ def _narrow_weights(op: Op) -> sp.Expr:
     weights ``r`` times narrower, ``r`` times fewer tokens do as much work per byte read, so
     the tokens count ``r`` times. Dense W4A16 kernels stream 4-bit weights near the ideal
     (Marlin, an FP16xINT4 kernel, "can deliver close to ideal (4x) speedups up to
-    batchsizes of 16-32 tokens": IST-DASLab/marlin README; Frantar et al., arXiv:2408.11743); grouped expert GEMMs do not (AIConfigurator's W4A16 MXFP4 MoE tables on H100/H200
-    reach about half the weights' streaming rate) and keep the fitted law, as do weight
+    batchsizes of 16-32 tokens": IST-DASLab/marlin README; Frantar et al., arXiv:2408.11743);
+    grouped expert GEMMs do not (AIConfigurator's W4A16 MXFP4 MoE tables on H100/H200 reach
+    about half the weights' streaming rate) and keep the fitted law, as do weight
     gradients (no weight operand read) and GEMMs whose weights are at least as wide as the
     math (training, W8A8, W4A4)."""
     if op.outputs[0].role is Role.GRAD or touched_experts(op) is not None:
@@ -310,6 +311,22 @@ class KernelSet:
         if sym is None:
             sym = self.symbols[kernel] = sp.Symbol(f"_kernel{len(self.symbols)}", real=True)
         return sym
+
+
+def batched(op: Op) -> bool:
+    """An einsum with an axis all three operands have: a grouped GEMM over experts or a
+    batched one over heads (MLA's absorbed projections), one kernel whose weights differ per
+    group. The GEMM tables hold single GEMMs (a lookup by ``(m, n, k)`` times one group's
+    GEMM, not the group's), and a grouped kernel pays their latency floor once, not per
+    group: these keep the roofline, which times the grouped op as one kernel."""
+    a, b = op.inputs
+    (out,) = op.outputs
+    return bool(set(a.axes) & set(b.axes) & set(out.axes))
+
+
+def table_gemm(op: Op) -> bool:
+    """A linear GEMM the measured GEMM tables time (:func:`gemm_kernel`): not batched."""
+    return op.kind is OpKind.EINSUM and is_linear(op) and not batched(op)
 
 
 def gemm_kernel(op: Op, clock: sp.Expr, saved_bytes: sp.Expr = 0) -> Kernel:

@@ -15,8 +15,10 @@ from stage_dse.cost.kernel_time import (
     _compute_time,
     _gemm_time,
     _other_time,
+    batched,
     gemm_kernel,
     gemm_mnk,
+    table_gemm,
 )
 from stage_dse.cost.network import domain_collective_time, group_tiers
 from stage_dse.cost.recompute import is_linear
@@ -52,7 +54,7 @@ class Measure:
 
     * linear GEMMs, prefill and decode alike, by their own (m, n, k): decode GEMMs at
       ``m`` = the running batch (grouped expert GEMMs and MLA's batched absorbed projections
-      keep the roofline: :func:`_batched`);
+      keep the roofline: :func:`~stage_dse.cost.kernel_time.batched`);
     * attention over the KV cache: prefill by (batch, prompt), decode by (batch, KV length),
       per (heads, kv heads, head dim, cache bytes); DeepSeek-style latent attention on the
       MLA tables (prefill decompressed, decode absorbed over the cached latents);
@@ -116,7 +118,7 @@ class Measure:
         (a replicated router beside tensor-parallel shared experts stays apart)."""
         groups: dict[tuple, list] = {}
         for op in ops:
-            if op.kind is not OpKind.EINSUM or not is_linear(op) or _batched(op):
+            if op.kind is not OpKind.EINSUM or not is_linear(op) or batched(op):
                 continue
             x, w = op.inputs
             m, _, k = gemm_mnk(op)
@@ -139,7 +141,7 @@ class Measure:
         clock = S.sustained_clock
         if op.name in self.fused:
             return self.fused[op.name]
-        if op.kind is OpKind.EINSUM and is_linear(op) and not _batched(op):
+        if table_gemm(op):
             return self._time(gemm_kernel(op, clock)) / clock
         if op.kind is OpKind.ATTENTION:
             if len(op.inputs) < 3:  # DSA's index scores (no values): no table
@@ -176,13 +178,3 @@ class Measure:
         intra = domain_collective_time(coll, n_in, size)
         kind = "engine_all_reduce" if coll is CollKind.ALL_REDUCE else coll.value
         return self._time(Kernel(kind, (size, n_in, n_out, intra), seconds))
-
-
-def _batched(op) -> bool:
-    """An einsum with an axis all three operands have: a grouped GEMM over experts or a
-    batched one over heads (MLA's absorbed projections), one kernel whose weights differ per
-    group. The GEMM tables hold single GEMMs, whose latency floor a grouped kernel pays once,
-    not per group: these keep the roofline (which times the grouped op as one kernel)."""
-    a, b = op.inputs
-    (out,) = op.outputs
-    return bool(set(a.axes) & set(b.axes) & set(out.axes))

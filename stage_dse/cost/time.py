@@ -109,6 +109,7 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     gemm_kernel,
     gemm_mnk,
     gemm_precision_weights,
+    table_gemm,
     touched_experts,
 )
 from stage_dse.cost.network import (
@@ -118,7 +119,7 @@ from stage_dse.cost.network import (
     group_tiers,
     pipeline_hop_time,
 )
-from stage_dse.cost.recompute import is_linear, recomputed_ops
+from stage_dse.cost.recompute import recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
@@ -217,11 +218,10 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
     measured kernel for linear GEMMs and fused attention."""
     if kernels is None:
         return _compute_time(op, saved)
-    if op.kind is OpKind.EINSUM and is_linear(op):
-        # tables hold kernels measured in isolation at full clock: a power-limited part runs
-        # them at its sustained clock, and a step sustains a share of the isolated throughput
-        # (the roofline fallback is handed over on the tables' footing likewise)
-        # (a table's FP8 or FP4 GEMM includes quantizing its activation operand)
+    if table_gemm(op):  # grouped expert GEMMs keep the roofline (kernel_time.batched)
+        # tables: kernels measured alone at full clock; a power-limited part runs them at its
+        # sustained clock and a step sustains a share of that (the roofline fallback on the
+        # same footing; a table's FP8 or FP4 GEMM includes quantizing its activation operand)
         clock = S.sustained_clock * S.measured_efficiency
         speed, added = fp8_recipe_terms(op)
         return kernels.time(gemm_kernel(op, clock, saved)) / (clock * speed) + added
