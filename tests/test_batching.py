@@ -71,6 +71,11 @@ def test_pipeline_stages_share_the_running_slots_and_the_clients():
     capped = continuous_batching(table, keys, 16, 2048, clients=np.array([32.0])).iloc[0]
     assert capped["cb_running"] == pytest.approx(16.0, rel=1e-9)
     assert capped["cb_ttft_s"] > free["cb_ttft_s"] and capped["cb_tpot_s"] < free["cb_tpot_s"]
+    # one client keeps one batch in flight: the other stages idle
+    one = continuous_batching(table, keys, 64, 2048, clients=np.array([1.0])).iloc[0]
+    assert one["cb_running"] == pytest.approx(1.0, rel=1e-9)
+    latency = one["cb_ttft_s"] + 255 * one["cb_tpot_s"]
+    assert 1.0 / one["cb_requests_per_s"] == pytest.approx(latency, rel=0.02)
 
 
 def test_an_engine_profile_says_whether_its_running_limit_is_per_stage():

@@ -435,7 +435,7 @@ def continuous_batching(
     # burst: fill, then slots free at the saturated rate, then drain
     bu = np.flatnonzero((sent > 0) & ok)
     if len(bu):
-        n_req = sent[bu] / lanes[bu]
+        n_req = np.maximum(sent[bu] / lanes[bu], 1.0)
         first = np.minimum(n_req, slots[bu])
         fill_tokens = np.minimum(C[bu], first * p_mean[bu])
         fill_steps = np.maximum(first * p_mean[bu] / fill_tokens, 1.0)
@@ -492,7 +492,10 @@ def continuous_batching(
         mode[bu] = "burst"
 
     gpus = table["tp"].to_numpy(float) * table["pp"].to_numpy(float) * replicas
-    requests = rate * lanes  # requests/s of the replica
+    # fewer clients or burst requests than batches in flight (and attention ranks) leave the
+    # others idle: one each, the replica's rate over those in use
+    used = np.minimum(lanes, np.where(users > 0, users, np.where(sent > 0, sent, lanes)))
+    requests = rate * used  # requests/s of the replica
     tokens = requests * out_len
     bound = np.where(
         ~ok,
@@ -505,7 +508,7 @@ def continuous_batching(
     )
     out = pd.DataFrame(
         {
-            "cb_running": res["running"] * stages,
+            "cb_running": res["running"] * used / replicas,
             "cb_decode_batch": res["d"],
             "cb_chunk_tokens": res["q"],
             "cb_step_s": step,
