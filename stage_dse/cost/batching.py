@@ -133,9 +133,9 @@ def continuous_batching(
 ) -> pd.DataFrame:
     """Steady state of every serving row (see the module docstring). ``table`` and ``keys``
     as for :func:`~stage_dse.cost.serving.evaluate_serving_table` (``serving_options`` go to
-    it); ``max_running`` (R, over every batch in flight), ``prefill_budget`` (C, tokens per step),
-    ``arrival_rate``
-    (requests/s per replica; 0: saturated), ``clients`` (closed loop of N users; 0: none) and
+    it); ``max_running`` (R, over every batch in flight), ``prefill_budget`` (C, tokens per
+    step), ``arrival_rate`` (requests/s per replica; 0: saturated), ``clients`` (closed loop
+    of N users; 0: none) and
     ``burst`` (N requests at once; 0: none) are scalars or arrays over the rows;
     ``draft_tokens`` and ``acceptance``: speculative decoding; ``mix``:
     ``[(prompt, output_tokens, weight), ...]`` request classes instead of the rows' own
