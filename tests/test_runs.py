@@ -434,7 +434,6 @@ def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
     import signal
 
     # ~500 parts over several seconds: the interrupt lands mid-sweep even on a loaded machine
-    # (3 GPU counts of the default plan space wrote their 4 parts within a second)
     args = [
         "stage-dse",
         f"results_dir={tmp_path}",
@@ -445,7 +444,16 @@ def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
         "plan=wide",
         "num_gpus=[512]",
     ]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the child starts with Ctrl-C's default disposition, as from a terminal: a process that
+    # inherits SIGINT ignored (some library earlier in the test session may ignore it in this
+    # one) keeps it ignored, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     for line in proc.stdout:
         if "evaluating up to" in line:
             break
