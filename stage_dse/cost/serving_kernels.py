@@ -15,13 +15,11 @@ from stage_dse.cost.kernel_time import (
     _compute_time,
     _gemm_time,
     _other_time,
-    batched,
     gemm_kernel,
     gemm_mnk,
     table_gemm,
 )
 from stage_dse.cost.network import domain_collective_time, group_tiers
-from stage_dse.cost.recompute import is_linear
 from stage_dse.cost.time import _local
 from stage_dse.graph.ir import CollKind, OpKind
 from stage_dse.graph.symbols import S
@@ -118,7 +116,7 @@ class Measure:
         (a replicated router beside tensor-parallel shared experts stays apart)."""
         groups: dict[tuple, list] = {}
         for op in ops:
-            if op.kind is not OpKind.EINSUM or not is_linear(op) or batched(op):
+            if not table_gemm(op):
                 continue
             x, w = op.inputs
             m, _, k = gemm_mnk(op)
