@@ -181,6 +181,26 @@ def test_decode_step_is_never_faster_than_its_kernels_floors():
     assert got["serve_tpot_s"] >= floors
 
 
+def test_a_routed_expert_layer_pays_its_chain_latency_once_per_decode_step():
+    """A mixture-of-experts decode step pays ``moe_layer_latency_s`` once per routed-expert
+    layer (the kernel chain of routing, permutation and un-permutation that fused-MoE tables
+    measure beyond the kernels' floors), the prefill once per layer too; a dense model pays
+    nothing."""
+    assert H100.moe_layer_latency_s == pytest.approx(25e-6)
+    spec = ServingSpec(prompt_len=512, output_tokens=64)
+    none = H100.replace(moe_layer_latency_s=0.0)
+    for name, plan, layers in (
+        ("mixtral_8x7b", serving_plan(load_model("mixtral_8x7b"), 1, 1, 1, 2), 32),
+        ("llama3_8b", ParallelPlan(), 0),
+    ):
+        got, base = serve(name, plan, spec), serve(name, plan, spec, hw=none)
+        extra = layers * H100.moe_layer_latency_s
+        assert got["serve_tpot_s"] - base["serve_tpot_s"] == pytest.approx(extra, abs=1e-12)
+        assert got["serve_ttft_s"] - base["serve_ttft_s"] == pytest.approx(extra, abs=1e-12)
+        expert = got["serve_decode_expert_s"] - base["serve_decode_expert_s"]
+        assert expert == pytest.approx(extra, abs=1e-12)
+
+
 def test_decode_of_llama3_8b_on_one_h100_is_memory_bound():
     """Batch 1: every weight is read once per token, so the time per token is bounded below by
     weights / HBM bandwidth (16.1 GB / 3.35 TB/s = 4.8 ms); the model says why: its memory term

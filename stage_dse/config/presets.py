@@ -45,6 +45,7 @@ HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "gemm_floor_us": ("gemm_floor_s", 1e-6),
     "attention_floor_us": ("attention_floor_s", 1e-6),
     "elementwise_floor_us": ("elementwise_floor_s", 1e-6),
+    "moe_layer_latency_us": ("moe_layer_latency_s", 1e-6),
 }
 CLUSTER_UNITS: dict[str, tuple[str, float]] = {
     "intra_gb_s": ("intra_bandwidth_bytes_per_s", 1e9),

@@ -114,6 +114,8 @@ class HardwareConf:
     gemm_floor_us: float = 0.0
     attention_floor_us: float = 0.0
     elementwise_floor_us: float = 0.0
+    moe_layer_latency_us: float = 0.0
+    """Routed-expert layer latency beyond its kernels' floors, us (measured fused-MoE tables)."""
     host_gb_s: float = 64.0
     """GPU-host link per GPU and direction, GB/s (activation offload; PCIe Gen5 x16: 64)."""
     rowwise_gemm_speed: float = 1.0

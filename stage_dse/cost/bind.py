@@ -147,6 +147,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "gemm_floor_s": hardware.gemm_floor_s,
         "attention_floor_s": hardware.attention_floor_s,
         "elementwise_floor_s": hardware.elementwise_floor_s,
+        "moe_layer_latency_s": hardware.moe_layer_latency_s,
         "usable_memory": hardware.usable_bytes,
         "gpus_per_node": cluster.gpus_per_node,
         "intra_bandwidth": cluster.intra_bandwidth_bytes_per_s,

@@ -118,6 +118,8 @@ def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Exp
     if op.kind is OpKind.EINSUM:
         gemm, quantize = _gemm_time(op, saved_bytes, skew)
         return gemm + quantize
+    if op.name == MOE_DISPATCH and op.phase is Phase.FORWARD:
+        return _other_time(op, saved_bytes) + S.moe_layer_latency_s
     return _other_time(op, saved_bytes)
 
 
@@ -270,9 +272,15 @@ def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
     return out
 
 
+MOE_DISPATCH = "moe_dispatch"
+"""The permutation of a routed-expert layer's tokens to expert order; its forward op carries the
+layer's chain latency (``moe_layer_latency_s``: fits of measured fused-MoE kernels, whose time
+at a handful of tokens exceeds the floors of the kernels the model times by 10-38 us; the
+backward's kernels run at training sizes, where the chain's latency is lost in their work)."""
+
 MOE_FUSED = (
     "router_softmax",
-    "moe_dispatch",
+    MOE_DISPATCH,
     "experts.gate_proj",
     "experts.up_proj",
     "experts.swiglu",

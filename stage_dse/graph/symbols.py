@@ -136,6 +136,7 @@ class Symbols:
     gemm_floor_s = sp.Symbol("gemm_floor_s", nonnegative=True)
     attention_floor_s = sp.Symbol("attention_floor_s", nonnegative=True)
     elementwise_floor_s = sp.Symbol("elementwise_floor_s", nonnegative=True)
+    moe_layer_latency_s = sp.Symbol("moe_layer_latency_s", nonnegative=True)
     usable_memory = _real("usable_memory")
     # cluster (ClusterSpec), base units
     gpus_per_node = _sym("gpus_per_node")
@@ -185,6 +186,7 @@ HARDWARE_SYMBOLS = (
     "gemm_floor_s",
     "attention_floor_s",
     "elementwise_floor_s",
+    "moe_layer_latency_s",
     "usable_memory",
     "gpus_per_node",
     "intra_bandwidth",

@@ -113,6 +113,12 @@ class HardwareSpec:
     """Shortest time of a fused attention kernel, seconds."""
     elementwise_floor_s: float = 0.0
     """Shortest time of a streaming (element-wise, norm, quantize) kernel, seconds."""
+    moe_layer_latency_s: float = 0.0
+    """Latency of a routed-expert layer's kernel chain (routing, sorting tokens by expert,
+    permutation, the grouped GEMMs' setup, un-permutation) beyond the floors of the kernels
+    the model times, seconds: a fused MoE layer with a handful of tokens takes this much
+    longer than its own kernels' floors (fits of measured fused-MoE tables:
+    ``conf/hardware/``)."""
     host_bandwidth_bytes_per_s: float = 64e9
     """GPU-host link per GPU and direction, bytes/s, where activation offload copies (PCIe
     Gen5 x16 by default; NVLink-C2C on Grace superchips)."""
@@ -167,6 +173,7 @@ class HardwareSpec:
             "gemm_floor_s",
             "attention_floor_s",
             "elementwise_floor_s",
+            "moe_layer_latency_s",
         ):
             non_negative_number(owner, f, getattr(self, f))
         if self.mxfp8_gemm_speed:

@@ -156,6 +156,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         gemm_floor_s=float(row["gemm_floor_s"]),
         attention_floor_s=float(row["attention_floor_s"]),
         elementwise_floor_s=float(row["elementwise_floor_s"]),
+        moe_layer_latency_s=float(_given(row, "moe_layer_latency_s", 0.0)),
         host_bandwidth_bytes_per_s=float(_given(row, "host_bandwidth", 64e9)),
         rowwise_gemm_speed=float(_given(row, "rowwise_gemm_speed", 1.0)),
         mxfp8_gemm_speed=float(_given(row, "mxfp8_gemm_speed", 0.0)),
