@@ -446,14 +446,14 @@ def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
     ]
     # the child starts with Ctrl-C's default disposition, as from a terminal: a process that
     # inherits SIGINT ignored (some library earlier in the test session may ignore it in this
-    # one) keeps it ignored, and Python then never raises KeyboardInterrupt
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # one) keeps it ignored, and Python then never raises KeyboardInterrupt. A handler set
+    # here becomes the default at exec (no preexec_fn: unsafe in a process with threads).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        if previous is not None:  # None: a handler installed outside Python, left as it was
+            signal.signal(signal.SIGINT, previous)
     for line in proc.stdout:
         if "evaluating up to" in line:
             break
