@@ -190,6 +190,12 @@ def test_gpt_oss_fp4_records_serve_mxfp4_experts():
     row, key = _row(case)
     assert key.graph.expert_param_bytes == 0.53125 and key.graph.param_bytes == 2
     assert row["weight_only"] == (case.fields["hardware"] in ("h100_sxm", "a100_80gb"))
+    # TensorRT-LLM's "FP8" column for gpt-oss on Hopper: the same checkpoint run W4A16
+    # (bf16 activations, MXFP4 experts), not FP8 linear layers
+    hopper = next(c for c in cases if c.fields.get("weights") == "fp8")
+    row, key = _row(hopper)
+    assert key.graph.expert_param_bytes == 0.53125 and key.graph.param_bytes == 2
+    assert row["gemm_bytes"] == 2 and row["weight_only"]
 
 
 def test_int4_weights_count_a_scale_and_a_zero_per_group_of_128():

@@ -199,3 +199,21 @@ def test_trtllm_bench_limits_follow_the_kv_cache_the_engine_leaves():
     assert 256 <= requests < 1024  # so rounded up to a multiple of 128
     assert batch == 128 * np.ceil(requests / 128)
     assert tokens == 2048  # batch x (1 + 128 / 2048) is below 4,096: at least 2,048
+
+
+def test_trtllm_bench_takes_build_defaults_for_a_quantization_it_does_not_tune():
+    """gpt-oss's MXFP4 experts are not among the formats trtllm-bench's heuristic sizes for;
+    it then runs with BuildConfig's 2,048 requests and 8,192 tokens, on any GPU and whatever
+    the table's label, while a bf16 checkpoint of the same model is tuned."""
+    from stage_dse.config import load_hardware, load_model
+    from stage_dse.validation.serving import UNTUNED_LIMITS, trtllm_bench_limits
+
+    bench = {"details": {"benchmark_client": "trtllm-bench throughput (offline)"}}
+    oss = load_model("gpt_oss_120b")
+    for hw, label in (("h200", "fp8"), ("b200", "fp4"), ("h100_sxm", "fp8")):
+        f = {**bench, "tp": 1, "isl": 1024, "osl": 1024}
+        assert trtllm_bench_limits(oss, f, load_hardware(hw), "bf16", label) == UNTUNED_LIMITS
+    assert UNTUNED_LIMITS == (2048.0, 8192.0)
+    f = {**bench, "tp": 2, "isl": 1024, "osl": 1024}
+    tuned = trtllm_bench_limits(oss, f, load_hardware("h200"), "bf16", "bf16")
+    assert tuned != UNTUNED_LIMITS and tuned[0] % 32 == 0

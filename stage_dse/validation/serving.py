@@ -58,9 +58,11 @@ NATIVE_FP4_EXPERTS = {"gpt_oss_120b": "mxfp4", "gpt_oss_20b": "mxfp4"}
 """Models whose published checkpoint quantizes only the routed experts, in this format
 (gpt-oss: MXFP4 experts; attention, router and embeddings bf16, its config.json's
 ``quantization_config.modules_to_not_convert``; no other checkpoint of them is published): a
-record's ``weights: fp4`` on them means that checkpoint, and ``weights: fp8`` the same experts
-beside FP8 linear layers elsewhere (engines' FP8 label for gpt-oss on Hopper, whose experts
-still run from the MXFP4 weights)."""
+record's ``weights: fp4`` or ``weights: fp8`` on them means that checkpoint, its other linear
+layers in bf16. ``fp8`` is TensorRT-LLM's table label for gpt-oss on Hopper, where it runs the
+checkpoint with 16-bit activations (W4A16): its deployment guide's MoE support matrix lists
+H200 with activation BF16, MoE weights MXFP4 and the TRITON backend, Blackwell with MXFP8
+activations ("Deployment Guide for GPT-OSS on TensorRT-LLM", TensorRT-LLM 1.2-1.4 docs)."""
 
 
 def _row(case: Case):
@@ -113,8 +115,7 @@ def _row(case: Case):
         raise Unexpressible(f"batch({batch}) does not split over ep({ep}) attention ranks")
     weights, experts = f.get("weights", "bf16"), None
     if weights in ("fp4", "fp8") and model.name in NATIVE_FP4_EXPERTS:  # the checkpoint's
-        experts = NATIVE_FP4_EXPERTS[model.name]
-        weights = "bf16" if weights == "fp4" else weights
+        experts, weights = NATIVE_FP4_EXPERTS[model.name], "bf16"
     serving = ServingSpec(
         prompt_len=f["isl"],
         output_tokens=f["osl"],
@@ -280,6 +281,11 @@ def total_params(model) -> float:
     return float(dense + moe + h * model.vocab_size * (1 if model.tied_embeddings else 2))
 
 
+UNTUNED_LIMITS = (2048.0, 8192.0)
+"""``max_batch_size`` and ``max_num_tokens`` of TensorRT-LLM's ``BuildConfig``, which
+``trtllm-bench`` takes for a checkpoint quantization its heuristic does not tune."""
+
+
 def trtllm_bench_limits(model, f: dict, hardware, kv: str, weights: str) -> tuple[float, float]:
     """``max_batch`` and ``max_num_tokens`` as ``trtllm-bench throughput`` picks them when the
     command gives neither (``tensorrt_llm/bench/build/tuning.py``, ``calc_engine_setting`` and
@@ -291,10 +297,17 @@ def trtllm_bench_limits(model, f: dict, hardware, kv: str, weights: str) -> tupl
     2,048). The heuristic reads the checkpoint's config.json literally (``ModelConfig`` of
     ``bench/build/dataclasses.py``): under latent attention it counts ``num_key_value_heads``
     full heads of ``hidden_size // num_attention_heads`` (DeepSeek-V3's config has no
-    ``head_dim``), not the latent the engine caches. NaN for other benchmark tools."""
+    ``head_dim``), not the latent the engine caches. The heuristic runs only for the
+    quantizations it knows (``TUNED_QUANTS`` of ``bench/build/build.py``: none, FP8, FP8
+    block scales, NVFP4); any other checkpoint gets ``BuildConfig``'s defaults, 2,048
+    requests and 8,192 tokens (``tensorrt_llm/builder.py``): gpt-oss's MXFP4 experts load as
+    ``W4A16_MXFP4`` on Hopper and ``W4A8_MXFP4_*`` on Blackwell (``_torch/model_config.py``,
+    ``get_mxfp4_quant_algo``). NaN for other benchmark tools."""
     client = str((f.get("details") or {}).get("benchmark_client", ""))
     if not client.startswith("trtllm-bench"):
         return np.nan, np.nan
+    if model.name in NATIVE_FP4_EXPERTS and weights in ("fp4", "fp8"):  # its MXFP4 checkpoint
+        return UNTUNED_LIMITS
     per_param = {"fp8": 1.0, "fp4": 0.5, "nvfp4": 0.5}.get(weights, 2.0)
     per_kv = 1.0 if kv == "fp8" else 2.0
     tp, pp = f["tp"], f.get("pp", 1)
