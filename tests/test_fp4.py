@@ -227,3 +227,41 @@ def test_int4_is_a_serving_format_and_no_kv_cache_format():
         ServingSpec(prompt_len=8, kv_dtype="int4")
     with pytest.raises(ConfigError, match=r"^training\.params_dtype=int4 is a serving"):
         TrainingSpec(seq_len=8, global_batch_size=8, params_dtype="int4")
+
+
+def test_fp4_gemms_saturate_at_larger_weight_dimensions():
+    """NVFP4 GEMMs reach half their large-GEMM rate at a weight dimension of
+    ``fp4_gemm_half_dim`` (B200: 1,670, fitted to AIConfigurator's NVFP4 GEMM table as the FP8
+    half dimensions are) and, like FP8 ones, at a token dimension of twice ``gemm_half_dim``:
+    the compute-bound prefill GEMMs of Llama-3-70B in NVFP4 on B200 take
+    flops / (FP4 peak x E x min(t / (t + 256), w / (w + 1,670))) for their own t and w."""
+    from stage_dse.cost.kernel_time import _gemm_time, gemm_mnk
+    from stage_dse.cost.serving import PASSES, serving_key
+
+    assert (B200.fp4_gemm_half_dim, B200.fp4_gemm_efficiency) == (1670, 0.53)
+    # a preset without a fit of its own saturates as its FP8 GEMMs do
+    h100 = load_hardware("h100_sxm")
+    assert h100.fp4_gemm_half_dim == h100.fp8_gemm_half_dim
+    model = load_model("llama3_70b")
+    spec = ServingSpec(prompt_len=2048, output_tokens=8, weights_dtype="nvfp4")
+    plan_row, _ = serving_row(model, spec, B200, load_cluster("hgx_b200", num_gpus=8), 1)
+    key = serving_key(model, spec, ParallelPlan(dp=1))
+    values = {
+        getattr(S, k): v for k, v in plan_row.items() if isinstance(getattr(S, k, None), sp.Symbol)
+    }
+    values.update({s: e.xreplace(values) for s, e in PASSES["prefill"].items()})
+    block = build_serving_graphs(key.graph, "prefill", key.kv_bytes).block
+    checked = 0
+    for name in ("q_proj", "o_proj", "fc1", "fc2"):
+        op = next((o for o in block.ops if o.name == name and o.kind.name == "EINSUM"), None)
+        if op is None:
+            continue
+        m, n, k = (float(x.xreplace(values)) for x in gemm_mnk(op))
+        w = min(n, k)
+        shape = min(m / (m + 2 * B200.gemm_half_dim), w / (w + B200.fp4_gemm_half_dim))
+        flops = float(op.flops.xreplace(values))
+        compute = flops / (B200.peak_fp4_flops * B200.sustained_clock * 0.53 * shape)
+        got = float(_gemm_time(op)[0].xreplace(values))
+        assert got == pytest.approx(compute + B200.kernel_launch_s, rel=1e-9), name
+        checked += 1
+    assert checked >= 3

@@ -107,6 +107,8 @@ class HardwareConf:
     gemm_half_dim: float = 128.0
     fp8_gemm_half_dim: float = 0.0
     """Smallest FP8 GEMM dimension at which FP8 GEMM efficiency halves (0: gemm_half_dim)."""
+    fp4_gemm_half_dim: float = 0.0
+    """The same for FP4 GEMMs (0: fp8_gemm_half_dim)."""
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_us: float = 0.0

@@ -140,6 +140,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,
         "gemm_half_dim": hardware.gemm_half_dim,
         "fp8_gemm_half_dim": hardware.fp8_gemm_half_dim,
+        "fp4_gemm_half_dim": hardware.fp4_gemm_half_dim,
         "attention_efficiency": hardware.attention_efficiency,
         "memory_efficiency": hardware.memory_efficiency,
         "kernel_launch_s": hardware.kernel_launch_s,

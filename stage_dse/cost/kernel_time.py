@@ -210,11 +210,14 @@ def _gemm_time(
         eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
         speed, added = fp8_recipe_terms(op) if recipe else (1, 0)
         eff = eff * speed
-        # FP8 GEMMs saturate at larger shapes (HardwareSpec): weight dimensions at
-        # fp8_gemm_half_dim, the token dimension at twice gemm_half_dim (tokens per weight
-        # tile to fill a doubled math rate; 159-296 in the tables against ~128 for bf16)
-        fp8 = _min(tokens / (tokens + 2 * S.gemm_half_dim), width / (width + S.fp8_gemm_half_dim))
-        eff = eff * ((1 - w8) * shape + w8 * fp8)
+        # FP8 and FP4 GEMMs saturate at larger shapes (HardwareSpec): weight dimensions at
+        # fp8_gemm_half_dim or fp4_gemm_half_dim, the token dimension at twice gemm_half_dim
+        # (tokens per weight tile to fill a multiplied math rate; 159-296 in the FP8 tables
+        # against ~128 for bf16, FP4 saturating in tokens as FP8 does on the same GPU)
+        wide = tokens / (tokens + 2 * S.gemm_half_dim)
+        fp8 = _min(wide, width / (width + S.fp8_gemm_half_dim))
+        fp4 = _min(wide, width / (width + S.fp4_gemm_half_dim))
+        eff = eff * ((1 - w8 - w4) * shape + w8 * fp8 + w4 * fp4)
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
             quantize = (1 - w16) * _streaming_kernel((2 + S.gemm_bytes) * numel)

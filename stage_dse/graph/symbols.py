@@ -129,6 +129,7 @@ class Symbols:
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
     fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
+    fp4_gemm_half_dim = _real("fp4_gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
@@ -179,6 +180,7 @@ HARDWARE_SYMBOLS = (
     "fp4_gemm_efficiency",
     "gemm_half_dim",
     "fp8_gemm_half_dim",
+    "fp4_gemm_half_dim",
     "attention_efficiency",
     "memory_efficiency",
     "kernel_launch_s",

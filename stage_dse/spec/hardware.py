@@ -26,7 +26,12 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   smaller share still: in the same tables (GEMMs with m, n, k >= 4096, medians) the NVFP4
   efficiency is 0.60 (B200), 0.62 (GB200), 0.42 (GB300) and 0.79 (RTX PRO 6000 Blackwell
   Server Edition) of the bf16 one; a preset that gives none takes ``FP4_GEMM_RATIO`` x
-  ``gemm_efficiency``, the B200-class value.
+  ``gemm_efficiency``, the B200-class value. Like FP8 ones they saturate late in the weight
+  dimensions (``fp4_gemm_half_dim``): the FP8 fit run on the NVFP4 tables gives E = 0.53 and
+  h = 1,674 (B200), 0.50 and 1,674 (GB200), 0.56 and 4,003 (GB300), 0.71 and 702 (RTX PRO
+  6000), the token dimension saturating at FP8's (fitted 459-884 on B200 to GB300 with
+  8,192-wide weights, FP8 439-547): NVFP4 expert GEMMs 768-1,536 wide run at a third to a
+  half of a large GEMM's rate.
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
@@ -100,6 +105,8 @@ class HardwareSpec:
     """Smallest GEMM dimension at which GEMM efficiency halves."""
     fp8_gemm_half_dim: float = 0.0
     """The same for FP8 GEMMs (0: ``gemm_half_dim``)."""
+    fp4_gemm_half_dim: float = 0.0
+    """The same for FP4 GEMMs (0: ``fp8_gemm_half_dim``)."""
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
@@ -159,6 +166,9 @@ class HardwareSpec:
         non_negative_number(owner, "fp8_gemm_half_dim", self.fp8_gemm_half_dim)
         if not self.fp8_gemm_half_dim:
             object.__setattr__(self, "fp8_gemm_half_dim", float(self.gemm_half_dim))
+        non_negative_number(owner, "fp4_gemm_half_dim", self.fp4_gemm_half_dim)
+        if not self.fp4_gemm_half_dim:
+            object.__setattr__(self, "fp4_gemm_half_dim", float(self.fp8_gemm_half_dim))
         if not self.fp4_gemm_efficiency:
             object.__setattr__(
                 self, "fp4_gemm_efficiency", round(FP4_GEMM_RATIO * self.gemm_efficiency, 4)
