@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-case lines")
     p.add_argument("--fit", action="store_true",
                    help="refit the physical parameters and the leave-one-source-out folds "
-                   "(both timings: 75-85 minutes wall, 8,600-9,400 CPU-s on 2 cores)")  # fmt: skip
+                   "(both timings: 70-85 minutes wall, 7,900-9,400 CPU-s on 2 cores)")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
