@@ -65,6 +65,12 @@ H200 with activation BF16, MoE weights MXFP4 and the TRITON backend, Blackwell w
 activations ("Deployment Guide for GPT-OSS on TensorRT-LLM", TensorRT-LLM 1.2-1.4 docs)."""
 
 
+def native_experts(model, weights: str) -> str | None:
+    """The experts' format of the published expert-only checkpoint a record's ``weights``
+    label names (:data:`NATIVE_FP4_EXPERTS`), or None where the label means its own format."""
+    return NATIVE_FP4_EXPERTS.get(model.name) if weights in ("fp4", "fp8") else None
+
+
 def _row(case: Case):
     from stage_dse.runner.serving import serving_row
 
@@ -113,9 +119,10 @@ def _row(case: Case):
     batch = f["batch"] if f["mode"] == "static" else ep
     if batch % ep:
         raise Unexpressible(f"batch({batch}) does not split over ep({ep}) attention ranks")
-    weights, experts = f.get("weights", "bf16"), None
-    if weights in ("fp4", "fp8") and model.name in NATIVE_FP4_EXPERTS:  # the checkpoint's
-        experts, weights = NATIVE_FP4_EXPERTS[model.name], "bf16"
+    weights = f.get("weights", "bf16")
+    experts = native_experts(model, weights)
+    if experts is not None:  # the checkpoint's other linear layers are bf16
+        weights = "bf16"
     serving = ServingSpec(
         prompt_len=f["isl"],
         output_tokens=f["osl"],
@@ -306,7 +313,7 @@ def trtllm_bench_limits(model, f: dict, hardware, kv: str, weights: str) -> tupl
     client = str((f.get("details") or {}).get("benchmark_client", ""))
     if not client.startswith("trtllm-bench"):
         return np.nan, np.nan
-    if model.name in NATIVE_FP4_EXPERTS and weights in ("fp4", "fp8"):  # its MXFP4 checkpoint
+    if native_experts(model, weights) is not None:  # its MXFP4 checkpoint
         return UNTUNED_LIMITS
     per_param = {"fp8": 1.0, "fp4": 0.5, "nvfp4": 0.5}.get(weights, 2.0)
     per_kv = 1.0 if kv == "fp8" else 2.0
