@@ -213,11 +213,19 @@ def _local(t, i: int) -> sp.Expr:
     return t.axes[i].extent / sp.Mul(*[DEGREE[m] for m in t.layout[i]])
 
 
+@lru_cache(maxsize=1 << 16)
+def _roofline_time(op: Op, saved: sp.Expr) -> sp.Expr:
+    """:func:`_compute_time`, once per op: the families of one graph (its recompute modes,
+    ZeRO stages and overlap flags) share its ops, and building these expressions is a large
+    part of deriving a family (ops hash by identity; the graphs they belong to are cached)."""
+    return _compute_time(op, saved)
+
+
 def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
     """Seconds of one compute op: its roofline, or (``kernels`` given) the symbol of its
     measured kernel for linear GEMMs and fused attention."""
     if kernels is None:
-        return _compute_time(op, saved)
+        return _roofline_time(op, saved)
     if table_gemm(op):  # grouped expert GEMMs keep the roofline (kernel_time.batched)
         # tables: kernels measured alone at full clock; a power-limited part runs them at its
         # sustained clock and a step sustains a share of that (the roofline fallback on the
@@ -235,7 +243,7 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         clock = S.sustained_clock * S.measured_efficiency
         kernel = Kernel("attention", shape, _other_time(op, saved) * clock * op.speed, scale)
         return kernels.time(kernel) / (clock * op.speed)  # op.speed: slower than the tables'
-    return _compute_time(op, saved)
+    return _roofline_time(op, saved)
 
 
 def _coll_time(
