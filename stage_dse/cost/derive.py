@@ -142,11 +142,14 @@ def _rerun_share(mode: Recompute) -> sp.Expr:
     return S.recompute_share if mode is Recompute.FULL else sp.Integer(1)
 
 
+@lru_cache(maxsize=1024)
 def section_costs(
     graph: Graph, tied_copy: Tensor | None = None, modules: tuple[str, ...] = ()
 ) -> SectionCosts:
     """A section's sizes, flops and collectives under every recompute mode (``modules``: the
-    Megatron-Core modules :attr:`Recompute.SELECTIVE` reruns; empty, the attention core)."""
+    Megatron-Core modules :attr:`Recompute.SELECTIVE` reruns; empty, the attention core).
+    Once per graph section (the families of one graph share it; graphs hash by identity and
+    are cached, and callers only read the result)."""
     stored = list(graph.weights)
     unique = [w for w in stored if w is not tied_copy]
     params = _sum([w.numel for w in unique])
