@@ -195,3 +195,28 @@ def test_a_space_with_no_dividing_degrees_counts_every_candidate_as_rejected():
     assert e.candidates == total == 1 * 1 * 1 * 4 * 3 * 2 * 2 and not expected
     assert e.valid == len(e.table) == 0
     assert e.rejected == {"tp*pp*cp does not divide num_gpus(16)": total}
+
+
+def test_a_table_of_many_families_equals_each_family_evaluated_alone():
+    """Evaluated together (one shared symbol buffer, one output matrix), rows of different
+    families get what each family gives alone, in any row order, and the output columns a
+    family does not have (a collective its graph lacks) are zero on its rows."""
+    from stage_dse.cost.table import evaluate_table
+
+    model, hw = load_model("llama3_8b"), load_hardware("h100_sxm")
+    cl = load_cluster("dgx_h100", num_gpus=32)
+    space = SearchSpace(tp=(1, 2), pp=(1, 2), cp=(1,), micro_batch_size=(1, 2),
+                        zero_stage=(0, 3), recompute=("none", "full"))  # fmt: skip
+    table = enumerate_plans(model, TRAINING, hw, cl, space).table
+    shuffled = table.sample(frac=1.0, random_state=0)  # families no longer contiguous
+    together = evaluate_table(shuffled).loc[table.index]
+    keys = ["tp", "pp", "zero_stage", "recompute"]
+    lacking = 0
+    for _, rows in table.groupby(keys):
+        alone = evaluate_table(rows)
+        assert set(alone.columns) <= set(together.columns)
+        np.testing.assert_array_equal(together.loc[rows.index, alone.columns], alone)
+        other = [c for c in together.columns if c not in alone.columns]
+        lacking += len(other)
+        assert (together.loc[rows.index, other] == 0).all().all()
+    assert lacking > 0  # some family lacks some output

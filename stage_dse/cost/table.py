@@ -337,34 +337,64 @@ def _row_matrix(columns: list, start: int, stop: int) -> np.ndarray:
     matrix, filled a block of rows at a time so that the column-by-column writes stay in
     cache (a column's slice is contiguous, a row-major matrix's column is not)."""
     x = np.empty((stop - start, len(columns)))
+    _fill(x, columns, range(len(columns)), start, stop)
+    return x
+
+
+def _fill(x: np.ndarray, columns: list, which, start: int, stop: int) -> None:
+    """Write rows ``[start, stop)`` of the columns numbered ``which`` into ``x``'s first
+    ``stop - start`` rows."""
     for lo in range(start, stop, _FILL_ROWS):
         hi = min(lo + _FILL_ROWS, stop)
         block = x[lo - start : hi - start]
-        for j, column in enumerate(columns):
+        for j in which:
+            column = columns[j]
             block[:, j] = column if np.ndim(column) == 0 else column[lo:hi]
-    return x
 
 
 class _Rows:
     """The symbol matrix of a plan table (its columns, arrays or scalars) built a chunk at a
-    time, as :func:`_evaluate_runs` slices it: never the whole table's at once."""
+    time, as :func:`_evaluate_runs` slices it: never the whole table's at once. One buffer
+    serves every slice (a fresh matrix per family run paid its page faults each time), with
+    the columns equal on every row (the hardware's and cluster's values, most of a table)
+    written into it once; a slice is valid until the next one is taken."""
 
     def __init__(self, columns: list, rows: int) -> None:
         self.columns, self.rows = columns, rows
+        self._buffer: np.ndarray | None = None
+        self._varying = [j for j, c in enumerate(columns) if not _constant(c)]
 
     def __len__(self) -> int:
         return self.rows
 
     def __getitem__(self, rows: slice) -> np.ndarray:
-        return _row_matrix(self.columns, rows.start, rows.stop)
+        n = rows.stop - rows.start
+        if self._buffer is None or len(self._buffer) < n:
+            size = min(max(n, _FILL_ROWS), CHUNK_ROWS, self.rows)
+            self._buffer = np.empty((max(size, n), len(self.columns)))
+            fixed = [j for j in range(len(self.columns)) if j not in set(self._varying)]
+            for j in fixed:
+                c = self.columns[j]
+                self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
+        x = self._buffer[:n]
+        _fill(x, self.columns, self._varying, rows.start, rows.stop)
+        return x
+
+
+def _constant(column) -> bool:
+    """A scalar, or an array whose rows all hold its first value."""
+    if np.ndim(column) == 0:
+        return True
+    return len(column) == 0 or bool(np.all(column == column[0]))
 
 
 def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.ndarray]:
     """Evaluate rows ``[a, b)`` of ``x`` with their family; the union of the output columns
     (a communication column a family does not have is 0 bytes)."""
     names, where = _union_layout(tuple(family.names for family, _, _ in runs))
-    out = np.zeros((len(x), len(names)))
-    for (family, a, b), (cols, contiguous) in zip(runs, where, strict=True):
+    # every row is written below (a family's missing columns as zeros): no zero-filled page
+    out = np.empty((len(x), len(names)))
+    for (family, a, b), (cols, contiguous, missing) in zip(runs, where, strict=True):
         for lo in range(a, b, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, b)
             y = family(x[lo:hi])
@@ -372,13 +402,16 @@ def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.nda
                 out[lo:hi, cols[0] : cols[-1] + 1] = y
             else:
                 out[lo:hi, cols] = y
+            if len(missing):
+                out[lo:hi, missing] = 0.0
     return list(names), out
 
 
 @lru_cache(maxsize=256)
 def _union_layout(families: tuple[tuple[str, ...], ...]):
     """The union of the families' output names (first seen first), and for each family the
-    positions of its outputs in it (and whether they are one contiguous block)."""
+    positions of its outputs in it (whether they are one contiguous block, and the positions
+    it has no output for)."""
     names: dict[str, int] = {}
     for family in families:
         for n in family:
@@ -386,7 +419,8 @@ def _union_layout(families: tuple[tuple[str, ...], ...]):
     where = []
     for family in families:
         cols = np.fromiter((names[n] for n in family), dtype=np.intp, count=len(family))
-        where.append((cols, bool(np.all(np.diff(cols) == 1))))
+        missing = np.setdiff1d(np.arange(len(names)), cols)
+        where.append((cols, bool(np.all(np.diff(cols) == 1)), missing))
     return list(names), where
 
 
