@@ -394,33 +394,40 @@ def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.nda
     names, where = _union_layout(tuple(family.names for family, _, _ in runs))
     # every row is written below (a family's missing columns as zeros): no zero-filled page
     out = np.empty((len(x), len(names)))
-    for (family, a, b), (cols, contiguous, missing) in zip(runs, where, strict=True):
+    for (family, a, b), (spans, missing) in zip(runs, where, strict=True):
         for lo in range(a, b, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, b)
             y = family(x[lo:hi])
-            if contiguous:
-                out[lo:hi, cols[0] : cols[-1] + 1] = y
-            else:
-                out[lo:hi, cols] = y
-            if len(missing):
-                out[lo:hi, missing] = 0.0
+            for start, stop, first, last in spans:
+                out[lo:hi, start:stop] = y[:, first:last]
+            for start, stop in missing:
+                out[lo:hi, start:stop] = 0.0
     return list(names), out
 
 
 @lru_cache(maxsize=256)
 def _union_layout(families: tuple[tuple[str, ...], ...]):
-    """The union of the families' output names (first seen first), and for each family the
-    positions of its outputs in it (whether they are one contiguous block, and the positions
-    it has no output for)."""
+    """The union of the families' output names (first seen first), and for each family where
+    its outputs go, as runs of consecutive columns (``(start, stop)`` in the union, ``(first,
+    last)`` in the family's own order: slice copies, several times faster than one indexed
+    copy of scattered columns), and the runs of union columns it has no output for."""
     names: dict[str, int] = {}
     for family in families:
         for n in family:
             names.setdefault(n, len(names))
     where = []
     for family in families:
-        cols = np.fromiter((names[n] for n in family), dtype=np.intp, count=len(family))
-        missing = np.setdiff1d(np.arange(len(names)), cols)
-        where.append((cols, bool(np.all(np.diff(cols) == 1)), missing))
+        cols = [names[n] for n in family]
+        spans, first = [], 0
+        for i in range(1, len(cols) + 1):
+            if i == len(cols) or cols[i] != cols[i - 1] + 1:
+                spans.append((cols[first], cols[i - 1] + 1, first, i))
+                first = i
+        held = np.zeros(len(names), dtype=bool)
+        held[cols] = True
+        step = np.diff(np.concatenate(([0], (~held).astype(np.int8), [0])))
+        missing = list(zip(np.flatnonzero(step == 1).tolist(), np.flatnonzero(step == -1).tolist()))
+        where.append((spans, missing))
     return list(names), where
 
 
