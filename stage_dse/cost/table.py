@@ -480,13 +480,24 @@ def evaluate_table(
     return _evaluate(table, lambda key, n: family_for(key, subset, n))
 
 
+def _factorize(column: pd.Series) -> tuple[np.ndarray, list]:
+    """Integer codes of a key column and the values they stand for: a categorical's own codes,
+    a boolean's 0/1, else ``pandas.factorize`` (the first two cost nothing to compute)."""
+    if isinstance(column.dtype, pd.CategoricalDtype) and not column.hasnans:
+        return column.cat.codes.to_numpy(dtype=np.int64), list(column.cat.categories)
+    if column.dtype == np.bool_:
+        return column.to_numpy().astype(np.int64), [False, True]
+    c, u = pd.factorize(column, sort=False)
+    return c, list(u)
+
+
 def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:
     codes = np.zeros(len(table), dtype=np.int64)
     factors: list[tuple[np.ndarray, list]] = []
     for col in KEY_COLUMNS:
-        c, u = pd.factorize(table[col], sort=False)
+        c, u = _factorize(table[col])
         codes = codes * max(len(u), 1) + c
-        factors.append((c, list(u)))
+        factors.append((c, u))
     columns = [table[name].to_numpy(dtype=np.float64) for name in SYMBOL_NAMES]
     runs = np.flatnonzero(np.diff(codes)) + 1
     if len(runs) + 1 == len(np.unique(codes)):
