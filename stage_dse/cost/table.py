@@ -372,12 +372,17 @@ class _Rows:
         if self._buffer is None or len(self._buffer) < n:
             size = min(max(n, _FILL_ROWS), CHUNK_ROWS, self.rows)
             self._buffer = np.empty((max(size, n), len(self.columns)))
-            fixed = [j for j in range(len(self.columns)) if j not in set(self._varying)]
-            for j in fixed:
-                c = self.columns[j]
-                self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
+            varying = set(self._varying)
+            for j, c in enumerate(self.columns):
+                if j not in varying:
+                    self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
         x = self._buffer[:n]
-        _fill(x, self.columns, self._varying, rows.start, rows.stop)
+        if n <= _FILL_ROWS:  # a small run (most families of a table): no blocks, all arrays
+            a, b = rows.start, rows.stop
+            for j in self._varying:
+                x[:, j] = self.columns[j][a:b]
+        else:
+            _fill(x, self.columns, self._varying, rows.start, rows.stop)
         return x
 
 
