@@ -332,18 +332,10 @@ def evaluate_columns(
     return _evaluate_runs(_Rows([plans.columns[n] for n in SYMBOL_NAMES], plans.rows), runs)
 
 
-def _row_matrix(columns: list, start: int, stop: int) -> np.ndarray:
-    """Rows ``[start, stop)`` of ``columns`` (arrays or scalars) as a C-ordered float64
-    matrix, filled a block of rows at a time so that the column-by-column writes stay in
-    cache (a column's slice is contiguous, a row-major matrix's column is not)."""
-    x = np.empty((stop - start, len(columns)))
-    _fill(x, columns, range(len(columns)), start, stop)
-    return x
-
-
 def _fill(x: np.ndarray, columns: list, which, start: int, stop: int) -> None:
-    """Write rows ``[start, stop)`` of the columns numbered ``which`` into ``x``'s first
-    ``stop - start`` rows."""
+    """Write rows ``[start, stop)`` of the columns numbered ``which`` (arrays or scalars) into
+    ``x``'s first ``stop - start`` rows, a block of rows at a time so that the column-by-column
+    writes stay in cache (a column's slice is contiguous, a row-major matrix's column is not)."""
     for lo in range(start, stop, _FILL_ROWS):
         hi = min(lo + _FILL_ROWS, stop)
         block = x[lo - start : hi - start]

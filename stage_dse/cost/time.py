@@ -216,8 +216,9 @@ def _local(t, i: int) -> sp.Expr:
 @lru_cache(maxsize=1 << 16)
 def _roofline_time(op: Op, saved: sp.Expr) -> sp.Expr:
     """:func:`_compute_time`, once per op: the families of one graph (its recompute modes,
-    ZeRO stages and overlap flags) share its ops, and building these expressions is a large
-    part of deriving a family (ops hash by identity; the graphs they belong to are cached)."""
+    schedules and overlap flags; the ZeRO stage is the graph's own) share its ops, and
+    building these expressions is a large part of deriving a family (ops hash by identity;
+    the graphs they belong to are cached)."""
     return _compute_time(op, saved)
 
 
