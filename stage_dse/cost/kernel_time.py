@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy as sp
 
@@ -175,6 +176,15 @@ def _narrow_weights(op: Op) -> sp.Expr:
     if not widths:
         return sp.Integer(1)
     return _max(1, S.gemm_bytes / widths[0])
+
+
+@lru_cache(maxsize=1 << 16)
+def _roofline_time(op: Op, saved_bytes: sp.Expr) -> sp.Expr:
+    """:func:`_compute_time`, once per op of a training graph: the families of one graph (its
+    recompute modes, schedules and overlap flags; the ZeRO stage is the graph's own) share its
+    ops, and building these expressions is a large part of deriving a family (ops hash by
+    identity; the graphs they belong to are cached)."""
+    return _compute_time(op, saved_bytes)
 
 
 def _gemm_time(

@@ -105,6 +105,7 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     _fusion_savings,
     _gemm_time,
     _other_time,
+    _roofline_time,
     fp8_recipe_terms,
     gemm_kernel,
     gemm_mnk,
@@ -213,18 +214,8 @@ def _local(t, i: int) -> sp.Expr:
     return t.axes[i].extent / sp.Mul(*[DEGREE[m] for m in t.layout[i]])
 
 
-@lru_cache(maxsize=1 << 16)
-def _roofline_time(op: Op, saved: sp.Expr) -> sp.Expr:
-    """:func:`_compute_time`, once per op: the families of one graph (its recompute modes,
-    schedules and overlap flags; the ZeRO stage is the graph's own) share its ops, and
-    building these expressions is a large part of deriving a family (ops hash by identity;
-    the graphs they belong to are cached)."""
-    return _compute_time(op, saved)
-
-
 def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
-    """Seconds of one compute op: its roofline, or (``kernels`` given) the symbol of its
-    measured kernel for linear GEMMs and fused attention."""
+    """Seconds of one compute op: its roofline, or with ``kernels`` its measured kernel's symbol."""
     if kernels is None:
         return _roofline_time(op, saved)
     if table_gemm(op):  # grouped expert GEMMs keep the roofline (kernel_time.batched)
