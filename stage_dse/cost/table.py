@@ -332,18 +332,6 @@ def evaluate_columns(
     return _evaluate_runs(_Rows([plans.columns[n] for n in SYMBOL_NAMES], plans.rows), runs)
 
 
-def _fill(x: np.ndarray, columns: list, which, start: int, stop: int) -> None:
-    """Write rows ``[start, stop)`` of the columns numbered ``which`` (arrays or scalars) into
-    ``x``'s first ``stop - start`` rows, a block of rows at a time so that the column-by-column
-    writes stay in cache (a column's slice is contiguous, a row-major matrix's column is not)."""
-    for lo in range(start, stop, _FILL_ROWS):
-        hi = min(lo + _FILL_ROWS, stop)
-        block = x[lo - start : hi - start]
-        for j in which:
-            column = columns[j]
-            block[:, j] = column if np.ndim(column) == 0 else column[lo:hi]
-
-
 class _Rows:
     """The symbol matrix of a plan table (its columns, arrays or scalars) built a chunk at a
     time, as :func:`_evaluate_runs` slices it: never the whole table's at once. One buffer
@@ -354,27 +342,29 @@ class _Rows:
     def __init__(self, columns: list, rows: int) -> None:
         self.columns, self.rows = columns, rows
         self._buffer: np.ndarray | None = None
-        self._varying = [j for j, c in enumerate(columns) if not _constant(c)]
+        constant = [_constant(c) for c in columns]
+        self._fixed = [j for j, c in enumerate(constant) if c]
+        self._varying = [j for j, c in enumerate(constant) if not c]  # arrays
 
     def __len__(self) -> int:
         return self.rows
 
     def __getitem__(self, rows: slice) -> np.ndarray:
-        n = rows.stop - rows.start
-        if self._buffer is None or len(self._buffer) < n:
-            size = min(max(n, _FILL_ROWS), CHUNK_ROWS, self.rows)
-            self._buffer = np.empty((max(size, n), len(self.columns)))
-            varying = set(self._varying)
-            for j, c in enumerate(self.columns):
-                if j not in varying:
-                    self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
-        x = self._buffer[:n]
-        if n <= _FILL_ROWS:  # a small run (most families of a table): no blocks, all arrays
-            a, b = rows.start, rows.stop
+        start, stop = rows.start, rows.stop
+        if self._buffer is None or len(self._buffer) < stop - start:
+            size = max(min(max(stop - start, _FILL_ROWS), CHUNK_ROWS, self.rows), stop - start)
+            self._buffer = np.empty((size, len(self.columns)))
+            for j in self._fixed:
+                c = self.columns[j]
+                self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
+        x = self._buffer[: stop - start]
+        # a block of rows at a time, so that the column-by-column writes stay in cache (a
+        # column's slice is contiguous, a row-major matrix's column is not)
+        for lo in range(start, stop, _FILL_ROWS):
+            hi = min(lo + _FILL_ROWS, stop)
+            block = x[lo - start : hi - start]
             for j in self._varying:
-                x[:, j] = self.columns[j][a:b]
-        else:
-            _fill(x, self.columns, self._varying, rows.start, rows.stop)
+                block[:, j] = self.columns[j][lo:hi]
         return x
 
 
