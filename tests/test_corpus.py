@@ -202,6 +202,7 @@ def test_rankings_count_only_distinct_published_pairs():
             "case": ["a", "b", "c"],
             "status": ["ok"] * 3,
             "source": ["s"] * 3,
+            "framework_version": ["r1"] * 3,
             "group": ["s/iter_s"] * 3,
             "kind": ["iter_s"] * 3,
             "model": ["m"] * 3,
@@ -221,6 +222,31 @@ def test_rankings_count_only_distinct_published_pairs():
     summary = group_summary(res, pairs)
     assert summary.loc[0, "pairs"] == 2 and summary.loc[0, "pairs_agree"] == 0
     assert summary.loc[0, "mean_abs_pct"] == pytest.approx((10 + 25 + 13.9) / 3)
+
+
+def test_rankings_pair_plans_only_within_one_software_release():
+    res = pd.DataFrame(
+        {
+            "case": ["a", "b", "c", "d"],
+            "status": ["ok"] * 4,
+            "source": ["s"] * 4,
+            "framework_version": ["r1", "r1", "r2", "r2"],
+            "group": ["s/tokens_per_s_per_gpu"] * 4,
+            "kind": ["tokens_per_s_per_gpu"] * 4,
+            "model": ["m"] * 4,
+            "hardware": ["h"] * 4,
+            "num_gpus": [8] * 4,
+            "workload": ["w"] * 4,
+            "plan": ["p1", "p2", "p3", "p4"],
+            "published": [100.0, 150.0, 200.0, 120.0],
+            "predicted": [110.0, 140.0, 130.0, 125.0],
+            "err_pct": [0.0] * 4,
+        }
+    )
+    pairs = ranking_pairs(res)
+    # a later release's software speed-up is not a ranking of plans
+    assert sorted(zip(pairs["a"], pairs["b"])) == [("a", "b"), ("c", "d")]
+    assert pairs["agrees"].tolist() == [True, True]
 
 
 def _t1():

@@ -4,8 +4,9 @@ A **group** is a source and a target kind (``narayanan2021_t1/tflops_per_gpu``).
 the cases with a prediction (``n``), those the model cannot express, mean and largest absolute
 error, mean signed error. A **ranking pair** is two published figures of one source on one
 model, GPU type, GPU count and workload (sequence and batch, or prompt and output lengths)
-under two different plans whose published rates differ by more than :data:`TIE_PCT`: the
-model agrees when it orders the two the same way.
+under two different plans whose published rates differ by more than :data:`TIE_PCT`, measured
+with one software release (a source that tables several releases ranks plans within each):
+the model agrees when it orders the two the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def ranking_pairs(results: pd.DataFrame) -> pd.DataFrame:
                                      "agrees"])  # fmt: skip
     ok["pub_rate"] = rate(ok["kind"], ok["published"])
     ok["pred_rate"] = rate(ok["kind"], ok["predicted"])
-    keys = ["source", "kind", "model", "hardware", "num_gpus", "workload"]
+    keys = ["source", "framework_version", "kind", "model", "hardware", "num_gpus", "workload"]
     out = []
     for _, grp in ok.groupby(keys, sort=False):
         rows = grp.to_dict("records")

@@ -46,6 +46,7 @@ def result_base(case: Case, timing: str) -> dict:
         "source": case.source.id,
         "group": case.group,
         "kind": case.target_kind,
+        "framework_version": str(case.fields.get("framework_version", "")),
         "published": case.value,
         "timing": timing,
     }
