@@ -208,15 +208,19 @@ class _PlanContext:
         values.update(plan_values(model.num_layers, _DEFAULT_PLAN))  # every plan symbol
         self.base = np.array([values[n] for n in SYMBOL_NAMES], dtype=np.float64)
         self.column = {n: j for j, n in enumerate(SYMBOL_NAMES)}
+        self.where: dict[tuple, np.ndarray] = {}
         self.structure = attrgetter(*_fields_read(cost_key, model, training))
         self.keys: dict[tuple, object] = {}
         self.families: dict[tuple, object] = {}  # compiled ones only: they stay
 
     def row(self, plan: ParallelPlan) -> np.ndarray:
+        values = plan_values(self.specs[0].num_layers, plan)
+        names = tuple(values)
+        where = self.where.get(names)
+        if where is None:  # the symbols a plan sets: the same few names, met once
+            where = self.where[names] = np.array([self.column[n] for n in names])
         x = self.base.copy()
-        column = self.column
-        for name, v in plan_values(self.specs[0].num_layers, plan).items():
-            x[column[name]] = v
+        x[where] = tuple(values.values())
         return x[None, :]
 
     def key(self, plan: ParallelPlan):
