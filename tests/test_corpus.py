@@ -253,6 +253,40 @@ def _t1():
     return [c for c in CASES if c.source.id == "narayanan2021_t1"]
 
 
+BLOCK = """\
+source: {id: block_src, citation: "A paper, Table 1", url: "https://example.org", kind: training}
+defaults: {hardware: h100_sxm, cluster: dgx_h100, seq_len: 8192, model: llama3_8b, gpus: 8,
+           tp: 1, pp: 2, zero: 1, global_batch: 64, micro_batch: 1, unstated: [recompute]}
+runs:
+  - {id: mcore, where: "row 1", framework: megatron_core, target: {kind: iter_s, value: 9.0}}
+  - {id: titan, where: "row 2", framework: torchtitan_fsdp2, target: {kind: iter_s, value: 9.0}}
+"""
+
+
+def test_unstated_recompute_tries_block_recompute_where_the_framework_has_it(tmp_path):
+    """Megatron-Core can recompute the first N layers of each model chunk: an unstated
+    recompute also ranges over a quarter, half and three quarters of a chunk's 16 layers;
+    torchtitan checkpoints whole blocks only, so it keeps none/selective/full."""
+    mcore, titan = read_file(_write(tmp_path, BLOCK, "block.yaml"))
+    labels = {p.recompute_label for p in training_setup(mcore).plans}
+    assert labels == {"none", "selective", "full", "full:4", "full:8", "full:12"}
+    assert {p.recompute_label for p in training_setup(titan).plans} == {
+        "none",
+        "selective",
+        "full",
+    }
+
+
+def test_a_tight_stage_picks_the_fewest_recomputed_layers_that_fit():
+    """Megatron-Bridge's 26.02.01 Llama 3 70B on 64 GB300s (pp 4, micro-batch 2, recompute not
+    printed): no layer's activations stored does not fit, recomputing every layer is the
+    slowest that does, and the fastest fitting plan recomputes part of each chunk."""
+    name = "mbridge26_02_01_llama3_70b_gb300_64gpu_mxfp8_tp1_pp4_cp1"
+    (case,) = [c for c in CASES if c.id == name]
+    row = Problem([case]).evaluate().iloc[0]
+    assert row["status"] == "ok" and " full:" in row["plan"]
+
+
 def test_unstated_choices_take_the_fastest_plan_that_fits():
     case = _t1()[4]  # 39.1B on 512 GPUs: micro-batch and chunks unstated
     setup = training_setup(case)

@@ -73,6 +73,15 @@ class FrameworkSpec:
     reduce-scattered once (PyTorch FSDP's ``no_sync`` / FSDP2's
     ``set_requires_gradient_sync(False)`` on all but the last micro-batch); off, every
     micro-batch reduce-scatters them (DeepSpeed ZeRO-2)."""
+    block_recompute: bool = False
+    """Full recompute can cover part of a model chunk's layers: Megatron-LM's block method
+    (``--activations-checkpoint-method block`` since NVIDIA/Megatron-LM c1e0689d92, 2021-08,
+    ``--recompute-method block --recompute-num-layers N`` since 2022; Megatron-Core, NeMo and
+    Megatron-Bridge keep it), which recomputes the first ``N`` layers of each chunk and
+    stores the others' activations.
+    A run whose recompute is unstated is then also tried with block recompute of a quarter,
+    half or three quarters of each chunk (the fastest plan that fits wins); off, full
+    recompute covers every layer (DeepSpeed's and torch's checkpointing of every block)."""
     grads_dtype: DType | None = None
     """Precision of the gradient buffers and of their data-parallel reduction when the framework
     fixes it (Composer's FSDP ``DEFAULT`` mixed precision and torchtitan's FSDP2 reduce in fp32);
@@ -81,7 +90,7 @@ class FrameworkSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"framework.name must be a non-empty text, got {self.name!r}")
-        for flag in (*PLAN_FLAGS, "compile_fuses_elementwise"):
+        for flag in (*PLAN_FLAGS, "compile_fuses_elementwise", "block_recompute"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(
                     f"framework.{flag} must be true or false, got {getattr(self, flag)!r}"

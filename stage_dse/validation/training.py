@@ -5,7 +5,9 @@ choice it leaves ``unstated`` ranges over the record's ``candidates`` (or the de
 :data:`DEFAULT_CANDIDATES`). The rule for unstated choices is the one the authors of these
 papers describe for themselves: **the fastest plan that fits in memory** among those
 candidates. A framework profile (``conf/framework/``) sets what the framework does (fused or
-materialized attention, which communication overlaps which compute).
+materialized attention, which communication overlaps which compute); where it can recompute
+part of each model chunk (``block_recompute``: Megatron-LM's block method), an unstated full
+recompute is also tried on a quarter, half and three quarters of each chunk's layers.
 
 All plans of all cases form one plan table, evaluated by one call of
 :func:`stage_dse.cost.table.evaluate_table` (one compiled call per plan family). Every
@@ -162,16 +164,29 @@ def training_setup(case: Case) -> TrainingSetup:
                 axes[name] = DEFAULT_CANDIDATES[name]
     setup = TrainingSetup(model, hardware, cluster, training)
     names = list(axes)
+    # an unstated recompute that ranges over the defaults (not over the record's candidates)
+    block = framework.block_recompute and axes.get("recompute") is DEFAULT_CANDIDATES["recompute"]
     for values in itertools.product(*(axes[n] for n in names)):
         choice = {**f, **dict(zip(names, values))}
-        try:
-            plan = _plan(choice, framework, model)
-            plan_row(model, training, plan, hardware, cluster)  # validates
-        except (ConfigError, Unexpressible) as exc:
-            setup.rejected = setup.rejected or str(exc)
-            continue
-        setup.plans.append(plan)
+        for variant in _block_recompute(choice, model.num_layers) if block else (choice,):
+            try:
+                plan = _plan(variant, framework, model)
+                plan_row(model, training, plan, hardware, cluster)  # validates
+            except (ConfigError, Unexpressible) as exc:
+                setup.rejected = setup.rejected or str(exc)
+                continue
+            setup.plans.append(plan)
     return setup
+
+
+def _block_recompute(choice: dict, layers: int) -> list[dict]:
+    """An unstated full recompute, and block recompute of a quarter, half and three quarters
+    of each model chunk's layers (``FrameworkSpec.block_recompute``)."""
+    if choice["recompute"] != "full":
+        return [choice]
+    chunk = -(-layers // (choice.get("pp", 1) * choice.get("virtual_stages", 1)))
+    counts = sorted({max(1, round(chunk * q)) for q in (0.25, 0.5, 0.75)} - {chunk})
+    return [choice] + [{**choice, "recompute": f"full:{n}"} for n in counts]
 
 
 def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
