@@ -277,7 +277,7 @@ def test_unstated_recompute_tries_block_recompute_where_the_framework_has_it(tmp
     }
 
 
-def test_a_tight_stage_picks_the_fewest_recomputed_layers_that_fit():
+def test_a_tight_stage_picks_block_recompute_over_recomputing_every_layer():
     """Megatron-Bridge's 26.02.01 Llama 3 70B on 64 GB300s (pp 4, micro-batch 2, recompute not
     printed): no layer's activations stored does not fit, recomputing every layer is the
     slowest that does, and the fastest fitting plan recomputes part of each chunk."""
