@@ -162,7 +162,7 @@ def _getter(where: Sequence[int]):
 
 _ROW_LAYOUTS: dict[int, tuple] = {}
 """A family's output names (held, so their id stays theirs) -> :func:`_row_layout`, found by
-identity: hashing the few hundred names of a call costs a tenth of a single-plan evaluation."""
+identity rather than by hashing every name on each single-plan call."""
 
 
 @lru_cache(maxsize=256)
