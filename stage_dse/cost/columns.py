@@ -165,7 +165,6 @@ _ROW_LAYOUTS: dict[int, tuple] = {}
 identity rather than by hashing every name on each single-plan call."""
 
 
-@lru_cache(maxsize=256)
 def _row_layout(names: tuple[str, ...]):
     """:func:`_layout` for one row held as a list with NaN and 0 appended: the names of the
     result columns and of the other outputs with one getter of their values, and each summed
