@@ -42,6 +42,7 @@ HARDWARE_UNITS: dict[str, tuple[str, float]] = {
     "host_gb_s": ("host_bandwidth_bytes_per_s", 1e9),
     "memory_reserve_gib": ("memory_reserve_bytes", 2.0**30),
     "kernel_launch_us": ("kernel_launch_s", 1e-6),
+    "host_op_us": ("host_op_s", 1e-6),
     "gemm_floor_us": ("gemm_floor_s", 1e-6),
     "attention_floor_us": ("attention_floor_s", 1e-6),
     "elementwise_floor_us": ("elementwise_floor_s", 1e-6),

@@ -188,6 +188,9 @@ class PlanConf:
     rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])
     offload_layers: list[int] = field(default_factory=lambda: [0])
     """Layers whose activations are offloaded to host memory (0: none; pp = 1, no recompute)."""
+    cuda_graphs: list[str] = field(default_factory=lambda: ["none"])
+    """What plans capture in CUDA graphs: none, modules joined by '+' (attn, mlp, moe_router,
+    moe_preprocess) or full_iteration; the rest is issued op by op from the host."""
     framework: Any = field(default_factory=lambda: ["megatron_core"])
     """Framework profiles (``conf/framework/``) every plan is evaluated under: a name or a
     list of names, one row per plan and framework."""

@@ -56,6 +56,7 @@ def to_search_space(plan: dict) -> SearchSpace:
         "virtual_stages",
         "rank_order",
         "offload_layers",
+        "cuda_graphs",
     ):
         if name not in data:
             continue
@@ -71,7 +72,12 @@ def to_search_space(plan: dict) -> SearchSpace:
             "({name: ..., tp_dgrad_overlap: ..., ...})"
         )
     # set by profiles alone
-    framework_only = ("zero_sync_per_tensor", "grad_sync_per_step", "ep_dispatch_dedup")
+    framework_only = (
+        "zero_sync_per_tensor",
+        "grad_sync_per_step",
+        "ep_dispatch_dedup",
+        "expert_gemm_loop",
+    )
     forced = {flag: data.pop(flag, None) for flag in PLAN_FLAGS if flag not in framework_only}
     for flag, value in forced.items():
         if value is not None and not isinstance(value, bool):

@@ -81,10 +81,23 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
         "ep_data": plan.ep_data,
         "virtual_stages": plan.virtual_stages,
         "offload_layers": plan.offload_layers,
+        **cuda_graph_values(plan.cuda_graphs),
+        "expert_gemm_loop": int(plan.expert_gemm_loop),
         "recompute_share": recompute_share(
             num_layers, plan.pp, plan.virtual_stages, plan.recompute_layers
         ),
         **stage_values(num_layers, plan.pp, plan.virtual_stages, plan.stage_layers),
+    }
+
+
+def cuda_graph_values(modules: tuple[str, ...]) -> dict[str, int]:
+    """The 0/1 symbols of ``plan.cuda_graphs`` (``moe_preprocess`` captures the dispatch's
+    metadata, which the graph counts with the router)."""
+    return {
+        "graph_attn": int("attn" in modules),
+        "graph_mlp": int("mlp" in modules),
+        "graph_router": int("moe_router" in modules or "moe_preprocess" in modules),
+        "graph_full": int("full_iteration" in modules),
     }
 
 
@@ -144,6 +157,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "attention_efficiency": hardware.attention_efficiency,
         "memory_efficiency": hardware.memory_efficiency,
         "kernel_launch_s": hardware.kernel_launch_s,
+        "host_op_s": hardware.host_op_s,
         "overlap_slowdown": hardware.overlap_slowdown,
         "gemm_floor_s": hardware.gemm_floor_s,
         "attention_floor_s": hardware.attention_floor_s,

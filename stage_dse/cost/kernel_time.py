@@ -14,7 +14,7 @@ import sympy as sp
 from stage_dse.cost.expr import _max, _min, _sum
 from stage_dse.cost.recompute import is_linear
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import Op, OpKind, Phase, Role
+from stage_dse.graph.ir import Module, Op, OpKind, Phase, Role
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS
 
@@ -122,6 +122,32 @@ def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Exp
     if op.name == MOE_DISPATCH and op.phase is Phase.FORWARD:
         return _other_time(op, saved_bytes) + S.moe_layer_latency_s
     return _other_time(op, saved_bytes)
+
+
+def host_launches(op: Op) -> sp.Expr:
+    """Ops the host issues for ``op`` each micro-batch, each costing it ``host_op_s``
+    (dispatch through the framework and the kernel launches): none for a view or a part of
+    the layer the plan captures in CUDA graphs (``graph_*`` symbols, ``plan.cuda_graphs``),
+    none for a collective over one rank, one per local expert for a grouped expert GEMM that
+    loops over its experts (``expert_gemm_loop``, Transformer Engine's ``GroupedLinear``),
+    else the op's kernels. Megatron-Core's MoE guide names the symptom ("gaps between GPU
+    kernels where CPU cannot launch kernels fast enough") and the remedies: CUDA graphs,
+    smaller tensor parallelism, larger micro-batches."""
+    if op.kind is OpKind.VIEW:
+        return sp.Integer(0)
+    if op.is_comm:
+        n = sp.Mul(*[DEGREE[a] for a in op.group])
+        count = _min(1, n - 1)
+    else:
+        count = sp.Integer(op.kernels)
+        if op.kind is OpKind.EINSUM and DIMS.capacity in set(op.axes_iter):  # expert GEMMs
+            count = count * (1 + S.expert_gemm_loop * (_local_extents(op)[DIMS.experts] - 1))
+    part = {
+        Module.ATTN: S.graph_attn,
+        Module.MLP: S.graph_mlp,
+        Module.ROUTER: S.graph_router,
+    }.get(op.module, sp.Integer(0))
+    return count * (1 - S.graph_full) * (1 - part)
 
 
 def touched_experts(op: Op) -> sp.Expr | None:

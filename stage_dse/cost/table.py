@@ -222,6 +222,7 @@ def config_row(
             "grad_sync_per_step": plan.grad_sync_per_step,
             "ep_dispatch_dedup": plan.ep_dispatch_dedup,
             "fused_elementwise": plan.fused_elementwise,
+            "cuda_graphs": plan.cuda_graphs_label,
         }
     )
     return row

@@ -26,6 +26,16 @@ Model, in order of the terms of ``time_step_s``:
   at ``fp4_gemm_efficiency`` after a quantize kernel writing that format
   (:func:`gemm_precision_weights`). Causal fused attention
   executes ``(T + 1) / 2T`` of its score tiles (:func:`stage_dse.graph.forward.causal_fraction`).
+* **Host.** The host issues every op it does not replay from a CUDA graph, ``host_op_s``
+  each (framework dispatch and launch: :func:`~stage_dse.cost.kernel_time.host_launches`;
+  a grouped expert GEMM that loops over its experts once per local expert); a phase of a
+  section (a layer's forward, its backward) lasts the longer of its kernels and the host's
+  issue of them less the collectives it waits on. Per phase, not per step: a dropless MoE
+  layer reads its tokens per expert back to the host (a device-host sync per layer, which
+  Megatron-Core's GB200 DeepSeek-V3 report names as what keeps the routed experts out of
+  CUDA graphs), so the host cannot run ahead across layers. Megatron-Core names the symptom
+  ("gaps between GPU kernels where CPU cannot launch kernels fast enough", MoE guide) and the
+  remedies: CUDA graphs (``plan.cuda_graphs``), less tensor parallelism, larger micro-batches.
 * **Collectives** (Thakur et al. 2005; NCCL): a group of ``n`` GPUs splits into ``n_in`` members
   per scale-up domain times ``n_out`` domains, which follows from the mesh rank order and
   ``gpus_per_node``. Ring all-reduce moves ``2(n-1)/n`` of the buffer, all-gather and
@@ -110,6 +120,7 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     gemm_kernel,
     gemm_mnk,
     gemm_precision_weights,
+    host_launches,
     table_gemm,
     touched_experts,
 )
@@ -120,6 +131,7 @@ from stage_dse.cost.network import (
     group_tiers,
     pipeline_hop_time,
 )
+from stage_dse.cost.overlap import _bucket_queue, _hidden
 from stage_dse.cost.recompute import recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
@@ -174,40 +186,6 @@ backward kernel's flops over the forward's (four GEMMs plus the recomputed q k^T
 rule in :mod:`stage_dse.graph.backward`), i.e. the backward kernel assumed to reach the
 forward kernel's measured throughput. FlashAttention-2 (Dao 2023) reports its backward
 kernel somewhat below its forward's throughput on A100, so this leans fast."""
-
-
-def _hidden(comm: sp.Expr, cover: sp.Expr) -> sp.Expr:
-    """What a collective of ``comm`` seconds run under ``cover`` seconds of compute adds to the
-    critical path: the part that outlasts the compute, plus the compute's slowdown while both
-    run (``overlap_slowdown`` of the overlapped time: the collective's kernels take SMs and HBM
-    bandwidth from the compute beside them)."""
-    return _max(0, comm - cover) + S.overlap_slowdown * _min(comm, cover)
-
-
-def _bucket_queue(
-    sync: sp.Expr,
-    cover: sp.Expr,
-    layers: sp.Expr,
-    first: tuple[sp.Expr, sp.Expr],
-    last: tuple[sp.Expr, sp.Expr],
-) -> sp.Expr:
-    """Exposed seconds of a stage's gradient buckets (``sync`` in all) issued one per section
-    as the last micro-batch's backward (``cover`` in all) leaves it, run one after another on
-    one communicator: ``first`` (the output layer's bucket and backward, issued first) and
-    ``last`` (the embedding's, issued last), equal layers between. The tail after the
-    backward is ``max_i (sum_{j>=i} d_j - sum_{j>i} b_j)``, over the buckets ``i`` in issue
-    order; with equal layers the maximum is at an end of the run of layers or at a tier.
-    Plus ``overlap_slowdown`` of what runs under compute."""
-    (d_h, b_h), (d_t, b_t) = first, last
-    n = _max(1, layers)
-    d_l, b_l = (sync - d_h - d_t) / n, (cover - b_h - b_t) / n
-    tail = _max(
-        d_t,
-        d_l + d_t - b_t,
-        n * d_l + d_t - (n - 1) * b_l - b_t,
-        sync - n * b_l - b_t,
-    )
-    return tail + S.overlap_slowdown * _max(0, _min(sync - tail, cover))
 
 
 def _local(t, i: int) -> sp.Expr:
@@ -318,6 +296,9 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             else:
                 name = "tp_comm"
             acc[name].append(t)
+            acc["host_bwd" if op.phase is Phase.BACKWARD or is_rerun else "host_fwd"].append(
+                S.host_op_s * host_launches(op) * (share if is_rerun else 1)
+            )
             exposed = t
             partner = partners.get(op) if key.tp_dgrad_overlap and not is_rerun else None
             if partner is not None:
@@ -335,15 +316,19 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
             continue
         phase = "fwd" if op.phase is Phase.FORWARD and not is_rerun else "bwd"
         acc[phase].append(t)
+        acc[f"host_{phase}"].append(S.host_op_s * host_launches(op) * (share if is_rerun else 1))
         if op.kind is OpKind.EINSUM:
             acc["gemm"].append(t)
         if op.kind is OpKind.ATTENTION or (op.matmul and op.region.value != "none"):
             acc["attention"].append(t)
     for (name, coll, group, _), size in buckets.items():
         acc[name].append(_coll_time(coll, group, size, order, kernels))
+    # the host issues a phase's ops while the GPU runs them: a phase whose kernels (and the
+    # collectives they wait on) take less than issuing them waits for the host
+    fwd_comm, bwd_comm = _sum(acc["fwd_comm"]), _sum(acc["bwd_comm"])
     return SectionTime(
-        fwd=_sum(acc["fwd"]),
-        bwd=_sum(acc["bwd"]),
+        fwd=_max(_sum(acc["fwd"]), _sum(acc["host_fwd"]) - fwd_comm),
+        bwd=_max(_sum(acc["bwd"]), _sum(acc["host_bwd"]) - bwd_comm),
         gemm=_sum(acc["gemm"]),
         attention=_sum(acc["attention"]),
         tp_comm=_sum(acc["tp_comm"]),
@@ -356,8 +341,8 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
         param_gather_step=_sum(acc["param_gather_step"]),
         tp_grad_sync_step=_sum(acc["tp_grad_sync_step"]),
         optimizer_step=_sum(acc["optimizer_step"]),
-        fwd_comm=_sum(acc["fwd_comm"]),
-        bwd_comm=_sum(acc["bwd_comm"]),
+        fwd_comm=fwd_comm,
+        bwd_comm=bwd_comm,
     )
 
 

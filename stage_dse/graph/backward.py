@@ -172,7 +172,7 @@ def derive_backward(graph, seed: Tensor | None = None) -> dict[Tensor, Tensor]:
         rule = BACKWARD_RULES.get(op.kind)
         if rule is None:
             raise AssertionError(f"no backward rule for {op.kind}")
-        with graph.scope(op.scope), graph.region(op.region):
+        with graph.scope(op.scope), graph.region(op.region), graph.module(op.module):
             rule(bw, op)
     return bw.grads
 

@@ -40,6 +40,7 @@ __all__ = [
     "Elementwise",
     "Frequency",
     "Layout",
+    "Module",
     "Op",
     "OpKind",
     "Phase",
@@ -91,6 +92,23 @@ class Region(StrEnum):
     NONE = "none"
     ATTENTION_CORE = "attention_core"
     """QK^T, softmax, dropout, PV: what selective recompute reruns."""
+
+
+class Module(StrEnum):
+    """The part of a layer an op belongs to, as frameworks capture parts of a layer in CUDA
+    graphs (Megatron-Core ``--cuda-graph-scope``: ``attn``, ``mlp``, ``moe_router``)."""
+
+    OTHER = "other"
+    """Embeddings, output layer, loss."""
+    ATTN = "attn"
+    """Input norm, attention and its projections, the attention residual."""
+    MLP = "mlp"
+    """A dense layer's MLP half: post-attention norm, MLP, residual."""
+    ROUTER = "router"
+    """A mixture-of-experts layer's post-attention norm and router."""
+    EXPERTS = "experts"
+    """Token dispatch, the experts (shared ones too), combine, residual: the dynamic-shape
+    part no per-layer CUDA graph captures in a dropless layer."""
 
 
 class OpKind(StrEnum):
@@ -218,6 +236,7 @@ class Op:
     saved: tuple[Tensor, ...] = ()
     """Tensors this forward op keeps for its backward."""
     region: Region = Region.NONE
+    module: Module = Module.OTHER
     frequency: Frequency = Frequency.PER_MICROBATCH
     coll: CollKind | None = None
     group: frozenset[MeshAxis] = frozenset()
@@ -286,6 +305,7 @@ class Recorder:
         self.producer: dict[Tensor, Op] = {}
         self._scope = Scope.BLOCK
         self._region = Region.NONE
+        self._module = Module.OTHER
 
     def scope(self, scope: Scope) -> _Ctx:
         return _Ctx(self, "_scope", scope)
@@ -293,7 +313,15 @@ class Recorder:
     def region(self, region: Region) -> _Ctx:
         return _Ctx(self, "_region", region)
 
+    def module(self, module: Module) -> _Ctx:
+        return _Ctx(self, "_module", module)
+
+    def enter_module(self, module: Module) -> None:
+        """Record the ops that follow in ``module`` (a layer's parts in sequence)."""
+        self._module = module
+
     def _record(self, op: Op) -> Op:
+        op.module = self._module
         self.ops.append(op)
         for t in op.outputs:
             self.producer[t] = op

@@ -110,6 +110,14 @@ class Symbols:
     """Its index."""
     offload_layers = _count("offload_layers")
     """Layers whose saved activations are offloaded to host memory (``plan.offload_layers``)."""
+    graph_attn = _count("graph_attn")
+    """1 where the plan captures each layer's attention half in a CUDA graph, else 0
+    (``plan.cuda_graphs``; so are ``graph_mlp``, ``graph_router`` and ``graph_full``)."""
+    graph_mlp = _count("graph_mlp")
+    graph_router = _count("graph_router")
+    graph_full = _count("graph_full")
+    expert_gemm_loop = _count("expert_gemm_loop")
+    """1 where a grouped expert GEMM is issued one GEMM per local expert."""
     recompute_share = _real("recompute_share")
     """Share of the layers full recompute covers (``plan.recompute_layers`` of each model
     chunk; 1 for every layer, and where full recompute is not chosen)."""
@@ -133,6 +141,8 @@ class Symbols:
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
+    host_op_s = sp.Symbol("host_op_s", nonnegative=True)
+    """Host seconds to issue one op eagerly (framework dispatch and kernel launch)."""
     overlap_slowdown = sp.Symbol("overlap_slowdown", nonnegative=True)
     gemm_floor_s = sp.Symbol("gemm_floor_s", nonnegative=True)
     attention_floor_s = sp.Symbol("attention_floor_s", nonnegative=True)
@@ -184,6 +194,7 @@ HARDWARE_SYMBOLS = (
     "attention_efficiency",
     "memory_efficiency",
     "kernel_launch_s",
+    "host_op_s",
     "overlap_slowdown",
     "gemm_floor_s",
     "attention_floor_s",

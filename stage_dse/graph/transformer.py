@@ -32,6 +32,7 @@ from stage_dse.graph.ir import (
     SOFTMAX,
     SWIGLU,
     Axis,
+    Module,
     OpKind,
     Region,
     Role,
@@ -162,6 +163,7 @@ class _Builder:
         E, C, Fe = DIMS.experts, DIMS.capacity, DIMS.moe_ffn
         logits = g.einsum("router", ln2, self.w("router.weight", [H, E], [(), ()]), [Bt, Sq, E])
         probs = g.pointwise(SOFTMAX, "router_softmax", logits)
+        g.enter_module(Module.EXPERTS)
         origin = tuple(m for ms in ln2.layout for m in ms)  # the tokens' ranks
         # experts over EP, or over EP x TP when the expert group spans the tensor-parallel
         # ranks (each holds other experts; the tokens are split over TP by sequence parallelism)
@@ -184,8 +186,10 @@ class _Builder:
         y_e = g.redistribute(y_e, [expert_ranks, slots, ()])  # reduce-scatter over TP (ETP)
         y_d = g.redistribute(y_e, [(), origin, ()])  # all-to-all back over EP (x TP)
         y = g.permute("moe_combine", y_d, [Bt, Sq, H], ln2.layout, weights=probs, flops_per_elem=2)
-        if self.k.shared_experts:
+        if self.k.shared_experts:  # static shapes: captured with the router (Megatron-Core)
+            g.enter_module(Module.ROUTER)
             shared = self.dense_mlp(ln2, DIMS.shared_ffn, prefix="shared_experts.")
+            g.enter_module(Module.EXPERTS)
             y = g.pointwise(ADD, "moe_shared_sum", y, shared)
         return y
 
@@ -391,6 +395,7 @@ class _Builder:
         with g.scope(Scope.BLOCK):
             x = self.activation("layer_input", [Bt, Sq, H], self.act)
             g.block_input = x
+            g.enter_module(Module.ATTN)
             ln1 = self.norm("input_norm", x)
             ln1g = g.redistribute(ln1, self.full)
             if self.k.mla:
@@ -446,11 +451,13 @@ class _Builder:
             out = self.maybe_bias("o_proj", out, [H], [()])
             out = self.dropout("o_dropout", out)
             x2 = g.pointwise(ADD, "attention_residual", x, out)
-            ln2 = self.norm("post_attention_norm", x2)
             moe = self.k.moe and not dense
+            g.enter_module(Module.ROUTER if moe else Module.MLP)
+            ln2 = self.norm("post_attention_norm", x2)
             h2 = self.moe_mlp(ln2) if moe else self.dense_mlp(ln2, DIMS.ffn)
             h2 = self.dropout("mlp_dropout", h2)
             y = g.pointwise(ADD, "mlp_residual", x2, h2)
+            g.enter_module(Module.OTHER)
             if not self.serving:
                 g.derive_backward(seed=y)
                 self._step()

@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 STATUS = ("ok", "infeasible", "invalid", "error")
+GRAPH_COLUMNS = ("graph_attn", "graph_mlp", "graph_router", "graph_full")
+"""The 0/1 CUDA-graph columns of ``plan.cuda_graphs`` (all 0: every op issued by the host)."""
 LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_bytes")
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
@@ -46,7 +48,7 @@ INT_CONFIG = {
     "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
     "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
-    *STAGE_SYMBOLS,
+    *STAGE_SYMBOLS, *GRAPH_COLUMNS,
 }  # fmt: skip
 """Integer columns; ``param_bytes`` and ``gemm_bytes`` are not (0.5625 for 4-bit weights)."""
 BOOL_CONFIG = {
@@ -54,9 +56,9 @@ BOOL_CONFIG = {
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
-    "ep_dispatch_dedup", "fused_elementwise",
+    "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop",
 }  # fmt: skip
-PLAN_LABEL_COLUMNS = ("stage_layers",)
+PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""
 CONFIG_COLUMNS: tuple[str, ...] = tuple(
     dict.fromkeys((*LABEL_COLUMNS, *SYMBOL_NAMES, *KEY_COLUMNS, *PLAN_LABEL_COLUMNS))
@@ -65,7 +67,7 @@ CONFIG_COLUMNS: tuple[str, ...] = tuple(
 
 STRING_CONFIG = {
     "workload", "model", "hardware", "cluster", "norm", "mlp", "position", "attention", "recompute",
-    "schedule", "rank_order", "stage_layers",
+    "schedule", "rank_order", "stage_layers", "cuda_graphs",
 }  # fmt: skip
 LABEL = pa.dictionary(pa.int32(), pa.string())
 """Repetitive text columns are dictionary-encoded (they load as pandas categoricals)."""
@@ -146,6 +148,9 @@ def _stable64(text: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big"))
 
 
+HOST_COLUMNS = ("cuda_graphs", *GRAPH_COLUMNS, "expert_gemm_loop", "host_op_s")
+"""The host's issue of the step's ops: hashed where a plan captures CUDA graphs or loops over
+experts (rows written before the host was modelled keep their hashes)."""
 FP8_RECIPE_COLUMNS = ("fp8_rowwise", "fp8_wgrad_hp", "fp8_mx")
 """The FP8 scaling recipe's 0/1 columns (all 0 for per-tensor scaling and 16-bit GEMMs)."""
 PLAN_CONFIG = {
@@ -160,6 +165,7 @@ _HASHED_APART = (
     *FP8_RECIPE_COLUMNS,
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",
+    *HOST_COLUMNS,
 )
 """Config columns hashed only where they differ from the default (older rows keep their hashes)."""
 HASH_ORDER: tuple[str, ...] = (
@@ -205,6 +211,17 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                 extra = _mix(h ^ (_hash_input(pd.Series(layers), False) + _GOLDEN))
                 link = _hash_input(source["host_bandwidth"], False)
                 h = np.where(layers > 0, _mix(extra ^ (link + np.uint64(2) * _GOLDEN)), h)
+        # CUDA graphs or a per-expert GEMM loop, with the host's time per op (absent or
+        # none: as before)
+        if all(c in source for c in HOST_COLUMNS):
+            flags = [np.nan_to_num(np.asarray(source[c], dtype=float)) for c in HOST_COLUMNS[1:-1]]
+            host = np.logical_or.reduce(np.broadcast_arrays(*[f > 0 for f in flags]))
+            if np.any(host):
+                extra = _mix(h ^ _stable64("host"))
+                for i, c in enumerate(HOST_COLUMNS[1:]):
+                    v = _hash_input(source[c], False)
+                    extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
+                h = np.where(host, extra, h)
         # an FP8 recipe other than per-tensor scaling, with the kernel speeds it runs at
         # (absent or tensorwise: as before)
         if all(c in source for c in FP8_RECIPE_COLUMNS):

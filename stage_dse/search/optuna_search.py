@@ -54,6 +54,7 @@ PLAN_AXES = (
     "attention",
     "rank_order",
     "offload_layers",
+    "cuda_graphs",
 )
 """Plan axes in the order a trial chooses them (most decisive for step time first)."""
 TRIPLE = {"tp": 0, "pp": 1, "cp": 2}

@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.bind import bind_hardware, model_values, recompute_share
+from stage_dse.cost.bind import bind_hardware, cuda_graph_values, model_values, recompute_share
 from stage_dse.cost.table import PlanColumns, model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
@@ -30,7 +30,7 @@ from stage_dse.spec import (
     TrainingSpec,
 )
 from stage_dse.spec.framework import PLAN_FLAGS
-from stage_dse.spec.plan import check_recompute_modules, parse_recompute
+from stage_dse.spec.plan import check_recompute_modules, parse_cuda_graphs, parse_recompute
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
 
@@ -157,6 +157,11 @@ class PlanGrid:
             "micro_batch": values("micro_batch"),
             "virtual_stages": v_sel,
             "offload_layers": values("offload_layers"),
+            "cuda_graphs": labels("cuda_graphs"),
+            **{
+                name: np.asarray(flags, dtype=np.int64)[at["cuda_graphs"]]
+                for name, flags in self.graph_values.items()
+            },
             "recompute_share": recompute_share(
                 model.num_layers,
                 t_pp,
@@ -182,6 +187,12 @@ class PlanGrid:
             "rank_order": labels("rank_order"),
         }
         return PlanColumns(len(at["triple"]), columns)
+
+    @cached_property
+    def graph_values(self) -> dict[str, list[int]]:
+        """The 0/1 CUDA-graph symbols of each ``cuda_graphs`` choice of the grid."""
+        per = [cuda_graph_values(parse_cuda_graphs(g)) for g in self.axes["cuda_graphs"]]
+        return {name: [v[name] for v in per] for name in per[0]}
 
     def framework_columns(self, at: np.ndarray) -> dict[str, object]:
         """The framework of each selected cell (grid indices ``at``): its name, plan flags and
@@ -234,6 +245,7 @@ def plan_grid(
         "stage_layers": list(space.stage_layers),
         "micro_batch": sorted(set(space.micro_batch_size)),
         "offload_layers": sorted(set(space.offload_layers)),
+        "cuda_graphs": list(space.cuda_graphs),
     }
     shape = tuple(len(v) for v in axes.values())
     per_triple = int(np.prod([len(v) for k, v in axes.items() if k != "triple"]))

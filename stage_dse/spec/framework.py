@@ -32,6 +32,7 @@ PLAN_FLAGS = (
     "zero_sync_per_tensor",
     "grad_sync_per_step",
     "ep_dispatch_dedup",
+    "expert_gemm_loop",
     "fused_elementwise",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
@@ -61,6 +62,11 @@ class FrameworkSpec:
     """Expert-parallel dispatch sends a token once to each node that holds one of its experts
     and forwards it over NVLink; combine sums inside the node first (DeepEP); off, every
     (token, expert) copy crosses the network (NCCL all-to-all)."""
+    expert_gemm_loop: bool = False
+    """A grouped expert GEMM is issued one GEMM per local expert: Transformer Engine's
+    ``GroupedLinear`` (Megatron-Core's ``--moe-grouped-gemm`` with TE) loops over the experts
+    calling cuBLAS on several streams (``general_grouped_gemm``); off, one grouped kernel
+    (torchtitan's ``torch._grouped_mm``, the CUTLASS grouped GEMM)."""
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
     kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""

@@ -111,6 +111,10 @@ class HardwareSpec:
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
     """Fixed cost added per kernel, seconds (launch gaps; 0 under CUDA graphs)."""
+    host_op_s: float = 10e-6
+    """Host seconds to issue one op eagerly: the framework's dispatch (PyTorch, Transformer
+    Engine) and the CUDA kernel launch. A layer whose kernels run shorter than the host takes
+    to issue them waits on the host (:func:`stage_dse.cost.kernel_time.host_launches`)."""
     overlap_slowdown: float = 0.0
     """Compute time lost per second of communication running beside it (the collective's
     kernels take SMs and HBM bandwidth); 0: communication overlaps for free."""
@@ -177,6 +181,7 @@ class HardwareSpec:
         for f in (
             "memory_reserve_bytes",
             "kernel_launch_s",
+            "host_op_s",
             "overlap_slowdown",
             "peak_fp8_flops",
             "peak_fp4_flops",

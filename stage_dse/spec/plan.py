@@ -29,6 +29,7 @@ from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
 
 __all__ = [
+    "CUDA_GRAPH_MODULES",
     "RECOMPUTE_MODULES",
     "AttentionKernel",
     "MeshAxis",
@@ -65,6 +66,46 @@ class Recompute(StrEnum):
     attention, of reduce-scatters and of every other matmul (the 1st, 3rd, ... of a layer's
     forward); rerun everything else (the other matmuls, norms, rotary, activations) in
     backward."""
+
+
+CUDA_GRAPH_MODULES: tuple[str, ...] = (
+    "attn",
+    "mlp",
+    "moe_router",
+    "moe_preprocess",
+    "full_iteration",
+)
+"""What a run captures in CUDA graphs (Megatron-Core ``--cuda-graph-impl`` and
+``--cuda-graph-scope``): per layer its attention half (``attn``), a dense layer's MLP half
+(``mlp``), a MoE layer's router (``moe_router``) and the dispatch's metadata before it
+(``moe_preprocess``), or the whole forward-backward (``full_iteration``). What is not captured
+is issued op by op from the host; a dropless MoE layer's dispatch, experts and combine have
+data-dependent shapes and stay eager under per-layer graphs (Megatron-Core MoE README, "CUDA
+Graph")."""
+
+
+def parse_cuda_graphs(value: object) -> tuple[str, ...]:
+    """``plan.cuda_graphs`` as modules in :data:`CUDA_GRAPH_MODULES` order: from ``"none"``,
+    ``"attn+moe_router"``, ``"full_iteration"`` or a list of names."""
+    valid = ", ".join(CUDA_GRAPH_MODULES)
+    if isinstance(value, str):
+        value = [] if value.strip() in ("", "none") else value.replace(",", "+").split("+")
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"plan.cuda_graphs must be none or modules joined by '+' ({valid}), got {value!r}"
+        )
+    names = {str(m).strip() for m in value}
+    unknown = sorted(names - set(CUDA_GRAPH_MODULES))
+    if unknown:
+        raise ConfigError(
+            f"plan.cuda_graphs: unknown module {unknown[0]!r} (one of: {valid}, or none)"
+        )
+    if "full_iteration" in names and len(names) > 1:
+        raise ConfigError(
+            "plan.cuda_graphs=full_iteration captures the whole step: name it alone, got "
+            + "+".join(m for m in CUDA_GRAPH_MODULES if m in names)
+        )
+    return tuple(m for m in CUDA_GRAPH_MODULES if m in names)
 
 
 RECOMPUTE_MODULES: tuple[str, ...] = (
@@ -281,6 +322,13 @@ class ParallelPlan:
     stream while later layers compute, so activation memory is that of the other layers
     (``transformer_engine/pytorch/cpu_offload.py``); Megatron-Core allows it with one pipeline
     stage and no activation recompute only (``TransformerConfig.__post_init__``)."""
+    cuda_graphs: tuple[str, ...] = ()
+    """The parts of the step captured in CUDA graphs (:data:`CUDA_GRAPH_MODULES`; ``"none"``,
+    ``"attn+moe_router+moe_preprocess"``, ``"full_iteration"``); empty: every op is issued
+    from the host, whose time per op bounds a step whose kernels are shorter."""
+    expert_gemm_loop: bool = False
+    """A grouped expert GEMM is issued as one GEMM per local expert (Transformer Engine's
+    ``GroupedLinear``: a loop of cuBLAS GEMMs over streams); off, as one grouped kernel."""
     fused_elementwise: bool = True
     """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
     (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its
@@ -306,10 +354,12 @@ class ParallelPlan:
             "zero_sync_per_tensor",
             "grad_sync_per_step",
             "ep_dispatch_dedup",
+            "expert_gemm_loop",
             "fused_elementwise",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
+        object.__setattr__(self, "cuda_graphs", parse_cuda_graphs(self.cuda_graphs))
         choice = parse_recompute(self.recompute, self.recompute_modules, self.recompute_layers)
         object.__setattr__(self, "recompute", choice.mode)
         object.__setattr__(self, "recompute_modules", choice.modules)
@@ -360,6 +410,11 @@ class ParallelPlan:
     def recompute_label(self) -> str:
         """``recompute`` as result rows and sweeps name it (:attr:`RecomputeChoice.label`)."""
         return RecomputeChoice(self.recompute, self.recompute_modules, self.recompute_layers).label
+
+    @property
+    def cuda_graphs_label(self) -> str:
+        """``cuda_graphs`` as result rows and sweeps name it (``none``, ``attn+moe_router``)."""
+        return "+".join(self.cuda_graphs) or "none"
 
     @property
     def model_parallel_size(self) -> int:

@@ -16,7 +16,7 @@ from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
-from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_recompute
+from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_cuda_graphs, parse_recompute
 from stage_dse.spec.stages import normalize_stage_layers
 from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
 
@@ -76,6 +76,9 @@ class SearchSpace:
     offload_layers: Sequence[int] = (0,)
     """Layers whose activations go to host memory (``ParallelPlan.offload_layers``); above 0
     only with pp = 1 and no recompute, below the layer count."""
+    cuda_graphs: Sequence[str] = ("none",)
+    """What each plan captures in CUDA graphs (``ParallelPlan.cuda_graphs``): ``none``,
+    modules joined by ``+`` (``attn+moe_router+moe_preprocess``) or ``full_iteration``."""
     frameworks: Sequence[FrameworkSpec] = (FrameworkSpec(),)
     """The frameworks every plan is evaluated under (:mod:`stage_dse.spec.framework`): one
     row per plan and framework; each sets its plan flags (overlaps, per-tensor ZeRO-3) and
@@ -105,6 +108,11 @@ class SearchSpace:
         for k in self.offload_layers:
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
                 raise ConfigError(f"plan.offload_layers values must be integers >= 0, got {k!r}")
+        if not self.cuda_graphs:
+            raise ConfigError("plan.cuda_graphs must list at least one choice (none: eager)")
+        graphs = [parse_cuda_graphs(g) for g in self.cuda_graphs]
+        labels_g = tuple(dict.fromkeys("+".join(g) or "none" for g in graphs))
+        object.__setattr__(self, "cuda_graphs", labels_g)
         if not self.stage_layers:
             raise ConfigError("plan.stage_layers must list at least one split")
         splits = tuple(dict.fromkeys(normalize_stage_layers(s) for s in self.stage_layers))

@@ -136,6 +136,8 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         ep_dispatch_dedup=bool(row.get("ep_dispatch_dedup", False)),
         fused_elementwise=bool(row.get("fused_elementwise", True)),
         offload_layers=int(_given(row, "offload_layers", 0)),
+        cuda_graphs=str(_given(row, "cuda_graphs", "none")),
+        expert_gemm_loop=bool(_given(row, "expert_gemm_loop", False)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
@@ -157,6 +159,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         attention_floor_s=float(row["attention_floor_s"]),
         elementwise_floor_s=float(row["elementwise_floor_s"]),
         moe_layer_latency_s=float(_given(row, "moe_layer_latency_s", 0.0)),
+        host_op_s=float(_given(row, "host_op_s", 0.0)),
         host_bandwidth_bytes_per_s=float(_given(row, "host_bandwidth", 64e9)),
         rowwise_gemm_speed=float(_given(row, "rowwise_gemm_speed", 1.0)),
         mxfp8_gemm_speed=float(_given(row, "mxfp8_gemm_speed", 0.0)),

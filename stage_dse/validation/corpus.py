@@ -100,6 +100,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "activation_cpu_offload": BOOL,
     "offload_layers": INT,
     "torch_compile": BOOL,
+    "cuda_graphs": TEXT,
 }
 SERVING_FIELDS: dict[str, tuple] = {
     **COMMON_FIELDS,

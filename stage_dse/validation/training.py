@@ -226,6 +226,7 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
         offload_layers=f.get("offload_layers", 0),
+        cuda_graphs=f.get("cuda_graphs", "none"),
         stage_layers=str(f.get("stage_layers", "balanced")),
         rank_order=f.get("rank_order", DEFAULT_RANK_ORDER),
         **flags,
