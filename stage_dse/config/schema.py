@@ -112,6 +112,7 @@ class HardwareConf:
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     kernel_launch_us: float = 0.0
+    host_op_us: float = 40.0
     overlap_slowdown: float = 0.0
     gemm_floor_us: float = 0.0
     attention_floor_us: float = 0.0

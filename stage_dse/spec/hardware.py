@@ -111,7 +111,7 @@ class HardwareSpec:
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
     """Fixed cost added per kernel, seconds (launch gaps; 0 under CUDA graphs)."""
-    host_op_s: float = 10e-6
+    host_op_s: float = 40e-6
     """Host seconds to issue one op eagerly: the framework's dispatch (PyTorch, Transformer
     Engine) and the CUDA kernel launch. A layer whose kernels run shorter than the host takes
     to issue them waits on the host (:func:`stage_dse.cost.kernel_time.host_launches`)."""
