@@ -114,3 +114,26 @@ def test_cuda_graphs_labels():
     assert ParallelPlan(cuda_graphs="attn,moe_preprocess").cuda_graphs_label == (
         "attn+moe_preprocess"
     )
+
+
+def test_config_hash_keeps_old_rows_and_tells_host_settings_apart():
+    """A plan with no CUDA graphs, no per-expert loop and the presets' host time hashes as
+    rows written before the host was modelled; each of the three settings gives another hash."""
+    import pandas as pd
+
+    from stage_dse.cost.table import plan_row
+    from stage_dse.results.schema import HOST_COLUMNS, config_hash_u64
+
+    hw, cl = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=8)
+    t = TrainingSpec(seq_len=4096, global_batch_size=8)
+    plans = [
+        (ParallelPlan(dp=8), hw),
+        (ParallelPlan(dp=8), dataclasses.replace(hw, host_op_s=10e-6)),
+        (ParallelPlan(dp=8, cuda_graphs="attn"), hw),
+        (ParallelPlan(dp=8, expert_gemm_loop=True), hw),
+    ]
+    rows = pd.DataFrame([plan_row(LLAMA, t, plan, h, cl) for plan, h in plans])
+    hashes = config_hash_u64(rows)
+    assert len(set(hashes)) == len(plans)
+    before = rows.drop(columns=list(HOST_COLUMNS)).iloc[:1]
+    assert config_hash_u64(before)[0] == hashes[0]

@@ -22,6 +22,7 @@ from stage_dse.cost.columns import (
 )
 from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
+from stage_dse.spec.hardware import HardwareSpec
 from stage_dse.spec.stages import STAGE_SYMBOLS
 
 __all__ = [
@@ -150,7 +151,8 @@ def _stable64(text: str) -> np.uint64:
 
 HOST_COLUMNS = ("cuda_graphs", *GRAPH_COLUMNS, "expert_gemm_loop", "host_op_s")
 """The host's issue of the step's ops: hashed where a plan captures CUDA graphs or loops over
-experts (rows written before the host was modelled keep their hashes)."""
+experts or the host's time per op is not the presets' (rows written before the host was
+modelled keep their hashes)."""
 FP8_RECIPE_COLUMNS = ("fp8_rowwise", "fp8_wgrad_hp", "fp8_mx")
 """The FP8 scaling recipe's 0/1 columns (all 0 for per-tensor scaling and 16-bit GEMMs)."""
 PLAN_CONFIG = {
@@ -214,8 +216,13 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         # CUDA graphs or a per-expert GEMM loop, with the host's time per op (absent or
         # none: as before)
         if all(c in source for c in HOST_COLUMNS):
-            flags = [np.nan_to_num(np.asarray(source[c], dtype=float)) for c in HOST_COLUMNS[1:-1]]
-            host = np.logical_or.reduce(np.broadcast_arrays(*[f > 0 for f in flags]))
+            flags = [
+                np.nan_to_num(np.asarray(source[c], dtype=float)) > 0 for c in HOST_COLUMNS[1:-1]
+            ]
+            # and a host time per op other than the presets'
+            op_s = np.asarray(source["host_op_s"], dtype=float)
+            flags.append(~np.isclose(op_s, HardwareSpec.host_op_s, rtol=1e-9, atol=0.0))
+            host = np.logical_or.reduce(np.broadcast_arrays(*flags))
             if np.any(host):
                 extra = _mix(h ^ _stable64("host"))
                 for i, c in enumerate(HOST_COLUMNS[1:]):
