@@ -14,7 +14,7 @@ import sympy as sp
 from stage_dse.cost.expr import _max, _min, _sum
 from stage_dse.cost.recompute import is_linear
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import Module, Op, OpKind, Phase, Role
+from stage_dse.graph.ir import Module, Op, OpKind, Phase, Role, degree
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.graph.transformer import DIMS
 
@@ -136,8 +136,7 @@ def host_launches(op: Op) -> sp.Expr:
     if op.kind is OpKind.VIEW:
         return sp.Integer(0)
     if op.is_comm:
-        n = sp.Mul(*[DEGREE[a] for a in op.group])
-        count = _min(1, n - 1)
+        count = _min(1, degree(op.group) - 1)
     else:
         count = sp.Integer(op.kernels)
         if op.kind is OpKind.EINSUM and DIMS.capacity in set(op.axes_iter):  # expert GEMMs

@@ -84,6 +84,11 @@ data-dependent shapes and stay eager under per-layer graphs (Megatron-Core MoE R
 Graph")."""
 
 
+def cuda_graphs_label(modules: tuple[str, ...]) -> str:
+    """``plan.cuda_graphs`` as rows and sweeps name it (``none``, ``attn+moe_router``)."""
+    return "+".join(modules) or "none"
+
+
 def parse_cuda_graphs(value: object) -> tuple[str, ...]:
     """``plan.cuda_graphs`` as modules in :data:`CUDA_GRAPH_MODULES` order: from ``"none"``,
     ``"attn+moe_router"``, ``"full_iteration"`` or a list of names."""
@@ -414,7 +419,7 @@ class ParallelPlan:
     @property
     def cuda_graphs_label(self) -> str:
         """``cuda_graphs`` as result rows and sweeps name it (``none``, ``attn+moe_router``)."""
-        return "+".join(self.cuda_graphs) or "none"
+        return cuda_graphs_label(self.cuda_graphs)
 
     @property
     def model_parallel_size(self) -> int:

@@ -16,7 +16,13 @@ from stage_dse.spec.engine import EngineSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
-from stage_dse.spec.plan import AttentionKernel, MeshAxis, parse_cuda_graphs, parse_recompute
+from stage_dse.spec.plan import (
+    AttentionKernel,
+    MeshAxis,
+    cuda_graphs_label,
+    parse_cuda_graphs,
+    parse_recompute,
+)
 from stage_dse.spec.stages import normalize_stage_layers
 from stage_dse.spec.training import TrainingSpec, check_gemm_dtype
 
@@ -110,9 +116,8 @@ class SearchSpace:
                 raise ConfigError(f"plan.offload_layers values must be integers >= 0, got {k!r}")
         if not self.cuda_graphs:
             raise ConfigError("plan.cuda_graphs must list at least one choice (none: eager)")
-        graphs = [parse_cuda_graphs(g) for g in self.cuda_graphs]
-        labels_g = tuple(dict.fromkeys("+".join(g) or "none" for g in graphs))
-        object.__setattr__(self, "cuda_graphs", labels_g)
+        graphs = (cuda_graphs_label(parse_cuda_graphs(g)) for g in self.cuda_graphs)
+        object.__setattr__(self, "cuda_graphs", tuple(dict.fromkeys(graphs)))
         if not self.stage_layers:
             raise ConfigError("plan.stage_layers must list at least one split")
         splits = tuple(dict.fromkeys(normalize_stage_layers(s) for s in self.stage_layers))
