@@ -69,6 +69,7 @@ def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeyp
     monkeypatch.setattr(C, "LLVM_MIN_ROWS", 1000)
     monkeypatch.setattr(C, "_rows_seen", {})
     monkeypatch.setattr(C, "_compiled", set())
+    monkeypatch.setattr(C, "_ready", {})
     monkeypatch.setattr(C, "_interpreted", set())
     key, _ = families[-1]
     assert C.family_for(key, "all", 400).backend == "interpreted"
@@ -79,6 +80,7 @@ def test_a_family_is_compiled_once_its_rows_repay_it(families, tmp_path, monkeyp
     # a later process finds the compiled code in the disk cache and uses it for one row
     monkeypatch.setattr(C, "_rows_seen", {})
     monkeypatch.setattr(C, "_compiled", set())
+    monkeypatch.setattr(C, "_ready", {})
     monkeypatch.setattr(C, "_interpreted", set())
     assert C.family_for(key, "all", 1).backend == "symengine"
 
@@ -89,7 +91,7 @@ def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(families, tmp
     the family recurs; the one after loads the compiled code."""
     monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
     key, x = families[0]
-    for name in ("_rows_seen", "_compiled", "_interpreted"):
+    for name in ("_rows_seen", "_compiled", "_interpreted", "_ready"):
         monkeypatch.setattr(C, name, type(getattr(C, name))())
     C._symengine_program.cache_clear()
     C._interpreted_family.cache_clear()
@@ -100,7 +102,7 @@ def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(families, tmp
     assert C.family_for(key, "all", 10) is first  # same process: still interpreted
     derived = first(x)
 
-    for name in ("_rows_seen", "_compiled", "_interpreted"):  # a later process
+    for name in ("_rows_seen", "_compiled", "_interpreted", "_ready"):  # a later process
         monkeypatch.setattr(C, name, type(getattr(C, name))())
     C._symengine_program.cache_clear()
     C.compile_family.cache_clear()

@@ -294,6 +294,35 @@ def test_table_evaluates_mixed_families_in_one_call():
     assert isinstance(res, pd.DataFrame) and not costs.isna().any().any()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    fill=st.sampled_from([1, 16, 64, 4096]),
+    chunk=st.sampled_from([7, 100, 1 << 17]),
+)
+def test_symbol_rows_are_the_matrix_slices_asked_for(runs, fill, chunk):
+    """The plan table's symbol matrix, written a window at a time (a window runs ahead over
+    whole runs of the next families, and is replaced when a run leaves it), gives each run
+    its own rows: scalar columns, constant columns and varying columns alike."""
+    import stage_dse.cost.table as table_module
+
+    rows = sum(runs)
+    rng = np.random.default_rng(rows)
+    columns = [2.5, np.full(rows, 7.0), rng.random(rows), np.arange(rows), 3]
+    full = np.column_stack([np.broadcast_to(np.asarray(c, float), rows) for c in columns])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(table_module, "_FILL_ROWS", fill)
+        mp.setattr(table_module, "CHUNK_ROWS", chunk)
+        x = table_module._Rows(columns, rows)
+        x.run_ends = list(np.cumsum(runs))
+        a = 0
+        for n in runs:
+            for lo in range(a, a + n, chunk):  # as _evaluate_runs asks
+                hi = min(lo + chunk, a + n)
+                np.testing.assert_array_equal(x[lo:hi], full[lo:hi])
+            a += n
+
+
 def test_compiled_numpy_backend_matches_symengine():
     model = llama(layers=8, kv_heads=4)
     training = TrainingSpec(seq_len=2048, global_batch_size=32)

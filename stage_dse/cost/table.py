@@ -12,6 +12,7 @@ kept as scalars (what enumeration produces and sweep workers evaluate with
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
 from functools import lru_cache
 from itertools import pairwise
@@ -98,7 +99,10 @@ _FILL_ROWS = 1 << 12  # rows of the symbol matrix filled together (~2.5 MB: in c
 
 def key_from_values(v: dict) -> CostKey:
     """The family key of a row's structural columns (:data:`KEY_COLUMNS`, by name)."""
-    # tables written before these were columns
+    try:
+        return _key_of(tuple(map(v.__getitem__, KEY_COLUMNS)))
+    except KeyError:  # tables written before these were columns
+        pass
     optional = dict.fromkeys(
         ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup"), False
     )
@@ -334,15 +338,21 @@ def evaluate_columns(
 
 
 class _Rows:
-    """The symbol matrix of a plan table (its columns, arrays or scalars) built a chunk at a
-    time, as :func:`_evaluate_runs` slices it: never the whole table's at once. One buffer
-    serves every slice (a fresh matrix per family run paid its page faults each time), with
-    the columns equal on every row (the hardware's and cluster's values, most of a table)
-    written into it once; a slice is valid until the next one is taken."""
+    """The symbol matrix of a plan table (its columns, arrays or scalars) built a window of
+    rows at a time, as :func:`_evaluate_runs` slices it: never the whole table's at once. One
+    buffer serves every slice (a fresh matrix per family run paid its page faults each time),
+    with the columns equal on every row (the hardware's and cluster's values, most of a
+    table) written into it once. A window holds at least :data:`_FILL_ROWS` rows from the
+    slice that opened it, so the short runs of a table's next families are views of rows
+    already written (a table of a few thousand rows is written once, not once per family);
+    a slice is valid until the next one is taken. ``run_ends``: where the runs of rows that
+    will be asked for end, in order (empty: each slice is written as asked)."""
 
     def __init__(self, columns: list, rows: int) -> None:
         self.columns, self.rows = columns, rows
+        self.run_ends: list[int] = []
         self._buffer: np.ndarray | None = None
+        self._window = (0, 0)  # rows of the table held by the buffer
         constant = [_constant(c) for c in columns]
         self._fixed = [j for j, c in enumerate(constant) if c]
         self._varying = [j for j, c in enumerate(constant) if not c]  # arrays
@@ -352,40 +362,61 @@ class _Rows:
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         start, stop = rows.start, rows.stop
-        if self._buffer is None or len(self._buffer) < stop - start:
-            size = max(min(max(stop - start, _FILL_ROWS), CHUNK_ROWS, self.rows), stop - start)
-            self._buffer = np.empty((size, len(self.columns)))
+        w0, w1 = self._window
+        if w0 <= start and stop <= w1:
+            return self._buffer[start - w0 : stop - w0]  # type: ignore[index]
+        size = max(min(max(stop - start, _FILL_ROWS), CHUNK_ROWS, self.rows), stop - start)
+        if self._buffer is None or len(self._buffer) < size:
+            row = np.zeros(len(self.columns))
             for j in self._fixed:
                 c = self.columns[j]
-                self._buffer[:, j] = c if np.ndim(c) == 0 else c[0]
-        x = self._buffer[: stop - start]
+                row[j] = c if np.ndim(c) == 0 else c[0]
+            self._buffer = np.empty((size, len(self.columns)))
+            self._buffer[:] = row  # one broadcast copy, not a strided write per column
+        # through the last whole run that fits (no run is written twice)
+        limit = min(start + max(stop - start, _FILL_ROWS), start + len(self._buffer), self.rows)
+        whole = bisect_right(self.run_ends, limit)  # runs ending within the limit
+        end = max(stop, self.run_ends[whole - 1]) if whole else stop
+        x = self._buffer[: end - start]
         # a block of rows at a time, so that the column-by-column writes stay in cache (a
         # column's slice is contiguous, a row-major matrix's column is not)
-        for lo in range(start, stop, _FILL_ROWS):
-            hi = min(lo + _FILL_ROWS, stop)
+        for lo in range(start, end, _FILL_ROWS):
+            hi = min(lo + _FILL_ROWS, end)
             block = x[lo - start : hi - start]
             for j in self._varying:
                 block[:, j] = self.columns[j][lo:hi]
-        return x
+        self._window = (start, end)
+        return x[: stop - start]
 
 
 def _constant(column) -> bool:
     """A scalar, or an array whose rows all hold its first value."""
-    if np.ndim(column) == 0:
+    if isinstance(column, int | float):
         return True
-    return len(column) == 0 or bool(np.all(column == column[0]))
+    if not isinstance(column, np.ndarray):
+        return np.ndim(column) == 0 or len(column) == 0 or bool(np.all(column == column[0]))
+    if column.ndim == 0 or len(column) == 0:
+        return True
+    return bool(column[0] == column[-1]) and bool((column == column[0]).all())
 
 
 def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.ndarray]:
     """Evaluate rows ``[a, b)`` of ``x`` with their family; the union of the output columns
     (a communication column a family does not have is 0 bytes)."""
+    if isinstance(x, _Rows):
+        x.run_ends = [b for _, _, b in runs]
     names, where = _union_layout(tuple(family.names for family, _, _ in runs))
     # every row is written below (a family's missing columns as zeros): no zero-filled page
     out = np.empty((len(x), len(names)))
-    for (family, a, b), (spans, missing) in zip(runs, where, strict=True):
+    for (family, a, b), (spans, missing, columns, absent) in zip(runs, where, strict=True):
         for lo in range(a, b, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, b)
             y = family(x[lo:hi])
+            if hi - lo < _INDEXED_ROWS:  # a short run: one indexed copy, one indexed zero fill
+                out[lo:hi, columns] = y
+                if len(absent):
+                    out[lo:hi, absent] = 0.0
+                continue
             for start, stop, first, last in spans:
                 out[lo:hi, start:stop] = y[:, first:last]
             for start, stop in missing:
@@ -393,12 +424,20 @@ def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.nda
     return list(names), out
 
 
+_INDEXED_ROWS = 1024
+"""Runs shorter than this are copied into the union matrix by one indexed assignment (its
+columns scattered), longer ones as slices of consecutive columns: per call, the indexed copy
+costs less than the five or so slices of a typical family; per row, slices cost less (one
+indexed copy of scattered columns took 32 ms of a 130,800-plan table, slices 5 ms)."""
+
+
 @lru_cache(maxsize=256)
 def _union_layout(families: tuple[tuple[str, ...], ...]):
     """The union of the families' output names (first seen first), and for each family where
     its outputs go, as runs of consecutive columns (``(start, stop)`` in the union, ``(first,
     last)`` in the family's own order: slice copies, several times faster than one indexed
-    copy of scattered columns), and the runs of union columns it has no output for."""
+    copy of scattered columns), the runs of union columns it has no output for, and the same
+    two as index arrays (for short runs, see :data:`_INDEXED_ROWS`)."""
     names: dict[str, int] = {}
     for family in families:
         for n in family:
@@ -415,7 +454,7 @@ def _union_layout(families: tuple[tuple[str, ...], ...]):
         held[cols] = True
         step = np.diff(np.concatenate(([0], (~held).astype(np.int8), [0])))
         missing = list(zip(np.flatnonzero(step == 1).tolist(), np.flatnonzero(step == -1).tolist()))
-        where.append((spans, missing))
+        where.append((spans, missing, np.array(cols, dtype=np.intp), np.flatnonzero(~held)))
     return list(names), where
 
 
