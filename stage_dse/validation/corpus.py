@@ -86,6 +86,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "precision": TEXT,
     "fp8_recipe": TEXT,
     "grads": TEXT,
+    "optimizer_states": TEXT,
     "attention": TEXT,
     "sequence_parallel": BOOL,
     "seq_len": INT,
