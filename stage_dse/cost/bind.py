@@ -331,4 +331,4 @@ def evaluate_plan(
         raise ConfigError(f"timing={timing!r} is not one of: roofline, measured")
     else:
         family = ctx.family(plan)
-    return named_outputs(family.names, family(x)[0])
+    return named_outputs(family.names, family.row(x))

@@ -91,10 +91,20 @@ class CompiledFamily:
     fn: Callable[[np.ndarray], np.ndarray]
     backend: str
 
+    single: Callable[[np.ndarray], np.ndarray] | None = None
+    """The evaluator itself where it takes one C-contiguous float64 row matrix as it is (the
+    symengine programs): what a one-plan call uses, without the checks and reshapes that cost
+    a microsecond, a twentieth of such a call."""
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x``: (rows, len(SYMBOL_NAMES)) float64 -> (rows, len(names)) float64 (subset
         ``measured``: the kernels' seconds follow the symbol columns)."""
         return self.fn(x)
+
+    def row(self, x: np.ndarray) -> np.ndarray:
+        """The outputs of one row ``x`` (a C-contiguous float64 ``(1, len(SYMBOL_NAMES))``
+        matrix)."""
+        return (self.single or self.fn)(x)[0]
 
 
 _BACKEND_WANTED = os.environ.get("STAGE_DSE_BACKEND", "auto")
@@ -194,7 +204,7 @@ def _program_path(key: CostKey, subset: str) -> Path:
 def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
     names, outs, args = _symengine_program(key, subset)
     fn = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
-    return CompiledFamily(key, names, _wrap(fn, len(names)), "interpreted")
+    return CompiledFamily(key, names, _wrap(fn, len(names)), "interpreted", fn)
 
 
 @lru_cache(maxsize=64)
@@ -266,12 +276,12 @@ def compile_family(key: CostKey, backend: str | None = None, subset: str = "all"
     cached = load_pickle(path) if backend == "symengine" else None
     if cached is not None:
         names, fn = cached
-        return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
+        return CompiledFamily(key, names, _wrap(fn, len(names)), backend, fn)
     if backend == "symengine":
         names, outs, args = _symengine_program(key, subset)
         fn = _lambdify_symengine(outs, args)
         store_pickle(path, (names, fn))
-        return CompiledFamily(key, names, _wrap(fn, len(names)), backend)
+        return CompiledFamily(key, names, _wrap(fn, len(names)), backend, fn)
     defs, outputs = _family_outputs(key, subset)
     names = tuple(outputs)
     extra = list(_kernel_symbols(key)) if subset == "measured" else []

@@ -30,6 +30,10 @@ class MeasuredFamily:
         self.names = (*self.family.names, "measured_share")
         self.step = self.family.names.index(self.STEP)
 
+    def row(self, x: np.ndarray) -> np.ndarray:
+        """The outputs of one row ``x`` (a ``(1, len(SYMBOL_NAMES))`` matrix)."""
+        return self(x)[0]
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         from stage_dse.kernels.timing import kernel_seconds
 
