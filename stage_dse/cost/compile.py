@@ -93,8 +93,8 @@ class CompiledFamily:
 
     single: Callable[[np.ndarray], np.ndarray] | None = None
     """The evaluator itself where it takes one C-contiguous float64 row matrix as it is (the
-    symengine programs): what a one-plan call uses, without the checks and reshapes that cost
-    a microsecond, a twentieth of such a call."""
+    symengine programs): what a one-plan call uses, without the contiguity check and reshape
+    (0.3 us of a 17 us call in an A/B of evaluate_plan loops)."""
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x``: (rows, len(SYMBOL_NAMES)) float64 -> (rows, len(names)) float64 (subset
@@ -164,7 +164,7 @@ _interpreted: set[tuple[CostKey, str]] = set()
 _ready: dict[tuple[CostKey, str], CompiledFamily] = {}
 """Compiled families by (key, subset), as :func:`family_for` last returned them: a table meets
 each of its families once per call, and one lookup here replaces the four hashes of a nested
-key that the accounting above costs (a quarter of a compiled 672-plan table's time)."""
+key that the row accounting above costs on every call."""
 _READY_MAX = 512  # as compile_family's own memory
 
 

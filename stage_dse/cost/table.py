@@ -342,11 +342,12 @@ class _Rows:
     rows at a time, as :func:`_evaluate_runs` slices it: never the whole table's at once. One
     buffer serves every slice (a fresh matrix per family run paid its page faults each time),
     with the columns equal on every row (the hardware's and cluster's values, most of a
-    table) written into it once. A window holds at least :data:`_FILL_ROWS` rows from the
-    slice that opened it, so the short runs of a table's next families are views of rows
-    already written (a table of a few thousand rows is written once, not once per family);
-    a slice is valid until the next one is taken. ``run_ends``: where the runs of rows that
-    will be asked for end, in order (empty: each slice is written as asked)."""
+    table) written into it once. A window runs from the slice that opened it through the last
+    whole run that ends within :data:`_FILL_ROWS` rows of its start, so the short runs of a
+    table's next families are views of rows already written (a table of a few thousand rows
+    is written once, not once per family) and no run is written twice; a slice is valid until
+    the next one is taken. ``run_ends``: where the runs of rows that will be asked for end, in
+    order (empty: each slice is written as asked)."""
 
     def __init__(self, columns: list, rows: int) -> None:
         self.columns, self.rows = columns, rows
