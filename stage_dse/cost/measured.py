@@ -34,6 +34,10 @@ class MeasuredFamily:
         """The outputs of one row ``x`` (a ``(1, len(SYMBOL_NAMES))`` matrix)."""
         return self(x)[0]
 
+    def into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The outputs of the rows ``x`` (a new matrix: ``out`` is not written)."""
+        return self(x)
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         from stage_dse.kernels.timing import kernel_seconds
 

@@ -409,10 +409,20 @@ def _evaluate_runs(x: np.ndarray | _Rows, runs: list) -> tuple[list[str], np.nda
     names, where = _union_layout(tuple(family.names for family, _, _ in runs))
     # every row is written below (a family's missing columns as zeros): no zero-filled page
     out = np.empty((len(x), len(names)))
+    longest = min(max((b - a for _, a, b in runs), default=0), CHUNK_ROWS)
+    # long runs: one output buffer per output count, reused by every chunk (short ones take
+    # fresh matrices, which the allocator recycles without the kernel)
+    buffers: dict[int, np.ndarray] | None = {} if longest >= _FILL_ROWS else None
     for (family, a, b), (spans, missing, columns, absent) in zip(runs, where, strict=True):
         for lo in range(a, b, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, b)
-            y = family(x[lo:hi])
+            if buffers is None:
+                y = family(x[lo:hi])
+            else:
+                n_out = len(family.names)
+                if n_out not in buffers:
+                    buffers[n_out] = np.empty((longest, n_out))
+                y = family.into(x[lo:hi], buffers[n_out][: hi - lo])
             if hi - lo < _INDEXED_ROWS:  # a short run: one indexed copy, one indexed zero fill
                 out[lo:hi, columns] = y
                 if len(absent):
