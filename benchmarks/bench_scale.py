@@ -23,23 +23,12 @@ import time
 from itertools import pairwise
 
 import numpy as np
+from bench_eval import SPACE  # the enumeration bench_eval times (run from benchmarks/)
 
 from stage_dse.config import load_cluster, load_hardware, load_model
 from stage_dse.cost.table import evaluate_columns
-from stage_dse.search import SearchSpace, enumerate_plans
+from stage_dse.search import enumerate_plans
 from stage_dse.spec import TrainingSpec
-
-SPACE = SearchSpace(
-    tp="auto",
-    pp="auto",
-    cp="auto",
-    micro_batch_size=(1, 2, 4, 8, 16),
-    zero_stage=(0, 1, 2, 3),
-    recompute=("none", "selective", "full"),
-    sequence_parallel=(False, True),
-    attention=("flash", "materialized"),
-    virtual_stages=(1, 2, 3, 4, 6, 8),
-)
 
 
 def faults() -> int:
