@@ -392,10 +392,9 @@ class _Rows:
 
 def _constant(column) -> bool:
     """A scalar, or an array whose rows all hold its first value."""
-    if isinstance(column, int | float):
+    if isinstance(column, int | float):  # the common scalar, without numpy's dispatch
         return True
-    if not isinstance(column, np.ndarray):
-        return np.ndim(column) == 0 or len(column) == 0 or bool(np.all(column == column[0]))
+    column = np.asarray(column)
     if column.ndim == 0 or len(column) == 0:
         return True
     return bool(column[0] == column[-1]) and bool((column == column[0]).all())
