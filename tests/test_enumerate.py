@@ -29,6 +29,7 @@ TRAINING = TrainingSpec(seq_len=4096, global_batch_size=64)
 PLAN_COLUMNS = (
     "tp", "pp", "cp", "ep", "dp", "micro_batch", "virtual_stages", "zero_stage", "recompute",
     "sequence_parallel", "attention", "expert_tensor_parallel", "ep_over_tp", "rank_order",
+    "dp_replicate",
 )  # fmt: skip
 
 
@@ -39,10 +40,11 @@ def brute_force(model, training, n, space) -> tuple[set, int]:
     if not model.is_moe:
         eps = [e for e in eps if e == 1] or eps
     valid, total = set(), 0
-    for tp, pp, cp, ep, etp, fold, z, rc, sp_, att, order, v, mb in itertools.product(
+    for tp, pp, cp, ep, etp, fold, z, g, rc, sp_, att, order, v, mb in itertools.product(
         deg["tp"], deg["pp"], deg["cp"], eps, set(space.expert_tensor_parallel),
         set(space.ep_over_tp),
-        set(space.zero_stage), set(space.recompute), set(space.sequence_parallel),
+        set(space.zero_stage), set(space.shard_group), set(space.recompute),
+        set(space.sequence_parallel),
         set(space.attention), set(space.rank_order), set(space.virtual_stages),
         set(space.micro_batch_size),
     ):  # fmt: skip
@@ -50,17 +52,19 @@ def brute_force(model, training, n, space) -> tuple[set, int]:
         if n % (tp * pp * cp):
             continue
         dp = n // (tp * pp * cp)
+        if g and (dp % g or g >= dp):  # a sharding group size that is not a proper part of dp
+            continue
         try:
             plan = ParallelPlan(
                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tensor_parallel=etp, ep_over_tp=fold,
                 sequence_parallel=sp_, zero_stage=z, micro_batch_size=mb, recompute=rc,
                 attention=att, schedule="interleaved" if v > 1 else "1f1b",
-                virtual_stages=v, rank_order=order,
+                virtual_stages=v, rank_order=order, dp_replicate=dp // g if g else 1,
             )  # fmt: skip
             validate_plan(model, training, plan, num_gpus=n)
         except ConfigError:
             continue
-        valid.add((tp, pp, cp, ep, dp, mb, v, z, rc, sp_, att, etp, fold, order))
+        valid.add((tp, pp, cp, ep, dp, mb, v, z, rc, sp_, att, etp, fold, order, plan.dp_replicate))
     return valid, total
 
 
@@ -79,6 +83,7 @@ spaces = st.builds(
     ep_over_tp=st.sampled_from([(False,), (False, True)]),
     micro_batch_size=st.sampled_from([(1,), (1, 2, 3), (4, 8)]),
     zero_stage=st.sampled_from([(0,), (1, 3)]),
+    shard_group=st.sampled_from([(0,), (0, 2, 8)]),
     recompute=st.sampled_from([("none",), ("full", "selective")]),
     sequence_parallel=st.sampled_from([(False,), (False, True)]),
     virtual_stages=st.sampled_from([(1,), (1, 2, 3)]),

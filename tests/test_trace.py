@@ -226,6 +226,9 @@ def test_golden_trace_set(tmp_path):
         # Megatron-Core's refinements: one of each chunk's two layers; two modules
         ParallelPlan(dp=2, pp=2, zero_stage=1, recompute="full:1"),
         ParallelPlan(dp=2, tp=2, pp=2, sequence_parallel=True, recompute="selective:layernorm+mlp"),
+        # hybrid sharding: states sharded over 2 ranks, 2 replicas of each shard
+        ParallelPlan(dp=4, pp=2, zero_stage=3, dp_replicate=2),
+        ParallelPlan(dp=4, tp=2, zero_stage=1, dp_replicate=2, sequence_parallel=True),
     ],
 )
 def test_comp_flops_equal_the_analytic_total(tmp_path, plan):
@@ -246,7 +249,7 @@ def test_comp_flops_equal_the_analytic_total(tmp_path, plan):
     opt = manifest["analytic_flops_total"] - stage_flops
     # the optimizer step: 12 flops per parameter per replica of the optimizer state (norm
     # weights are also replicated over tensor-parallel ranks, a few percent at these sizes)
-    replicas = plan.dp * plan.cp if plan.zero_stage == 0 else 1
+    replicas = plan.dp * plan.cp if plan.zero_stage == 0 else plan.dp_replicate
     assert 1.0 <= opt / (12 * costs["params"] * replicas) <= 1.05
 
 

@@ -88,7 +88,7 @@ AXES = (
         f"plan.{a}"
         for a in (
             "tp", "pp", "cp", "ep", "expert_tensor_parallel", "ep_over_tp", "micro_batch_size",
-            "zero_stage",
+            "zero_stage", "shard_group",
             "recompute", "sequence_parallel", "attention", "virtual_stages", "stage_layers",
             "rank_order",
         )

@@ -64,6 +64,7 @@ def _spec_row(plan: ParallelPlan, layers: int, num_gpus: int, **extra) -> dict:
         "ep": plan.ep,
         "micro_batch": plan.micro_batch_size,
         "zero_stage": plan.zero_stage,
+        "dp_replicate": plan.dp_replicate,
         "sequence_parallel": plan.sequence_parallel,
         "recompute": plan.recompute_label,
         **extra,
@@ -149,8 +150,20 @@ def _config_mode(
     if n % mp:
         raise ConfigError(f"tp*pp*cp({mp}) does not divide num_gpus({n})")
     v = one.pop("virtual_stages")
+    if len(sp_.shard_group) != 1:
+        raise ConfigError(
+            f"plan.shard_group: give exactly one value for a trace, got {list(sp_.shard_group)!r}"
+        )
+    group = sp_.shard_group[0]
+    dp = n // mp
+    if group and (dp % group or group >= dp):
+        raise ConfigError(
+            f"plan.shard_group={group} must divide dp({dp}) into two or more groups "
+            "(0: shard over all data-parallel ranks)"
+        )
     plan = ParallelPlan(
-        dp=n // mp,
+        dp=dp,
+        dp_replicate=dp // group if group else 1,
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
         **framework.plan_flags(),

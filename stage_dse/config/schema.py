@@ -180,6 +180,9 @@ class PlanConf:
     """Expert-parallel groups that span the tensor-parallel ranks too (ep may exceed dp)."""
     micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    shard_group: list[int] = field(default_factory=lambda: [0])
+    """Data-parallel ranks a ZeRO/FSDP sharding group spans, replicas across groups (hybrid
+    sharding, e.g. 8: shard inside a node); 0: all data-parallel ranks."""
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
     attention: list[str] = field(default_factory=lambda: ["flash"])

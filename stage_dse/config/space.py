@@ -50,6 +50,7 @@ def to_search_space(plan: dict) -> SearchSpace:
         "ep_over_tp",
         "micro_batch_size",
         "zero_stage",
+        "shard_group",
         "recompute",
         "sequence_parallel",
         "attention",

@@ -74,6 +74,7 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
     return {
         "micro_batch": plan.micro_batch_size,
         "dp": plan.dp,
+        "dp_replicate": plan.dp_replicate,
         "tp": plan.tp,
         "pp": plan.pp,
         "cp": plan.cp,

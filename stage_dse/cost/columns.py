@@ -94,7 +94,7 @@ def _axis_of(group_label: str) -> str:
     if group_label == EMBEDDING_GROUP:  # first and last stage of each pipeline
         return "pp"
     parts = group_label.split("-")
-    if "dp" in parts:
+    if {"dp", "ds", "dr"} & set(parts):  # ds, dr: a hybrid-sharded group and its replicas
         return "dp"
     if "ep" in parts:
         return "ep"

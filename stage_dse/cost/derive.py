@@ -67,7 +67,16 @@ __all__ = [
     "training_costs",
 ]
 
-MESH_ORDER = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+MESH_ORDER = (
+    MeshAxis.TP,
+    MeshAxis.CP,
+    MeshAxis.EP,
+    MeshAxis.DP,
+    MeshAxis.DS,
+    MeshAxis.DR,
+    MeshAxis.PP,
+)
+"""The mesh axes in the default rank order (hybrid sharding's DS and DR in DP's place)."""
 
 
 EMBEDDING_GROUP = "embedding"
@@ -242,6 +251,7 @@ class CostKey:
         MeshAxis.DP,
         MeshAxis.PP,
     )
+    """The mesh axes, fastest-varying first (:attr:`ParallelPlan.mesh_order`)."""
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
@@ -257,7 +267,7 @@ def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> Co
         recompute=plan.recompute,
         schedule=plan.schedule,
         recompute_modules=plan.recompute_modules,
-        rank_order=plan.rank_order,
+        rank_order=plan.mesh_order,
         overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
         tp_comm_overlap=plan.tp_comm_overlap,
@@ -332,6 +342,8 @@ def _derive(key: CostKey) -> TrainingCosts:
     has_mid = _min(1, _max(0, pp - 2))
     data = S.dp * S.cp
     expert_data = S.dp / S.ep_data * S.cp
+    if key.graph.hybrid_shard:  # ZeRO shards over one sharding group of dp / dp_replicate
+        data, expert_data = data / S.dp_replicate, expert_data / S.dp_replicate
     zero = key.graph.zero_stage
 
     # layers: a mixture-of-experts model may have dense-MLP ones, leading (on the first stage)

@@ -39,6 +39,7 @@ from stage_dse.spec import (
     PositionKind,
     TrainingSpec,
     check_gemm_dtype,
+    mesh_order,
     parse_recompute,
     validate_plan,
 )
@@ -89,6 +90,7 @@ PLAN_KEY_COLUMNS = (
     "grad_sync_per_step",
     "ep_dispatch_dedup",
     "fused_elementwise",
+    "dp_replicate",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
 """Columns whose values change the structure of the cost program."""
@@ -107,6 +109,7 @@ def key_from_values(v: dict) -> CostKey:
         ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup"), False
     )
     optional["fused_elementwise"] = True
+    optional["dp_replicate"] = 1
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
 
 
@@ -136,6 +139,7 @@ def _key_of(values: tuple) -> CostKey:
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
+        hybrid_shard=int(v["dp_replicate"]) > 1,
     )
     recompute = parse_recompute(v["recompute"])
     return CostKey(
@@ -143,7 +147,10 @@ def _key_of(values: tuple) -> CostKey:
         recompute=recompute.mode,
         recompute_modules=recompute.modules,
         schedule=PipelineSchedule(v["schedule"]),
-        rank_order=tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
+        rank_order=mesh_order(
+            tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
+            int(v["dp_replicate"]) > 1,
+        ),
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
         overlap_param_gather=bool(v["overlap_param_gather"]),
         tp_comm_overlap=bool(v["tp_comm_overlap"]),

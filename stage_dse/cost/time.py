@@ -139,6 +139,7 @@ from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule, Recompute
+from stage_dse.spec.plan import DATA_PARALLEL_AXES
 
 __all__ = [
     "Kernel",
@@ -263,10 +264,11 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
     # (FSDP's FlatParameter, DeepSpeed's and Megatron-LM's buckets): one collective per kind
     buckets: dict[tuple, sp.Expr] = defaultdict(lambda: sp.Integer(0))
     for op, is_rerun in ops:
-        # data-parallel collectives (gradient sync, ZeRO) include the DP axis; a CP-only group
-        # is the context-parallel ring
-        if op.is_comm and (MeshAxis.DP in op.group or op.frequency is Frequency.PER_STEP):
-            if MeshAxis.DP not in op.group:
+        # data-parallel collectives (gradient sync, ZeRO) include the DP axis (or DR, the
+        # replicas of hybrid sharding); a CP-only group is the context-parallel ring
+        data = bool(op.is_comm and op.group & DATA_PARALLEL_AXES)
+        if op.is_comm and (data or op.frequency is Frequency.PER_STEP):
+            if not data:
                 # once per step after the data-parallel sync, not per micro-batch (Megatron-LM
                 # finalize_model_grads: _allreduce_non_tensor_model_parallel_grads)
                 name = "tp_grad_sync_step"

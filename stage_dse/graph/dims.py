@@ -104,6 +104,9 @@ class GraphKey:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels; off, as eager PyTorch runs its reference code
     (:mod:`stage_dse.graph.eager`)."""
+    hybrid_shard: bool = False
+    """ZeRO states are sharded inside groups of data-parallel ranks replicated over the DR
+    mesh axis (``plan.dp_replicate > 1``): the batch is split over DR too."""
 
     def __post_init__(self) -> None:
         if self.grad_sync_per_step and self.zero_stage != 2:  # one family per structure
@@ -134,4 +137,5 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
+        hybrid_shard=plan.hybrid_shard,
     )

@@ -14,6 +14,9 @@ split, target splits another axis      all-to-all
 not split, target splits               local slice (free)
 =====================================  =================
 
+All-reduces run before the reduce-scatter, except over :data:`REDUCED_AFTER_SCATTER` (the
+replicas of hybrid sharding), which sum the scattered shard after it.
+
 A collective's ``comm_bytes`` is its per-GPU buffer: the input for all-reduce, reduce-scatter
 and all-to-all, the gathered output for all-gather. :meth:`LayoutOps.gathered_source` walks back
 through all-gathers and views to the tensor actually kept when a gathered value is saved for
@@ -39,7 +42,15 @@ from stage_dse.graph.ir import (
 )
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["LayoutOps", "zero_layout"]
+__all__ = ["REDUCED_AFTER_SCATTER", "LayoutOps", "zero_layout"]
+
+REDUCED_AFTER_SCATTER = frozenset({MeshAxis.DR})
+"""Axes whose partial sums are all-reduced after the reduce-scatter over the other axes, on the
+scattered shard: hybrid sharding's replicas (PyTorch FSDP ``HYBRID_SHARD`` reduce-scatters in
+the shard group, then all-reduces the shard across the replicate group; Megatron-LM's partial
+distributed optimizer all-reduces the reduce-scattered shard across its instances). Other
+partial sums are all-reduced first (Megatron-LM sums sequence-parallel norm gradients over the
+tensor-parallel group before the data-parallel sync)."""
 
 
 class LayoutOps(Recorder):
@@ -109,13 +120,18 @@ class LayoutOps(Recorder):
 
         cur = t
         keep = [tuple(m for m in ms if m not in gather | all_to_all) for ms in t.layout]
-        if all_reduce:
-            step(CollKind.ALL_REDUCE, all_reduce, cur.layout, cur.partial - all_reduce)
+        # the replicas' sum waits for the scatter and moves the shard only
+        late = all_reduce & REDUCED_AFTER_SCATTER if reduce_scatter else set()
+        if all_reduce - late:
+            early = all_reduce - late
+            step(CollKind.ALL_REDUCE, early, cur.layout, cur.partial - early)
         if reduce_scatter:
             lay = [list(ms) for ms in cur.layout]
             for m in sorted(reduce_scatter, key=lambda x: target[tgt_owner[x]].index(x)):
                 lay[tgt_owner[m]].append(m)
-            step(CollKind.REDUCE_SCATTER, reduce_scatter, _order(lay, target), frozenset())
+            step(CollKind.REDUCE_SCATTER, reduce_scatter, _order(lay, target), frozenset(late))
+        if late:
+            step(CollKind.ALL_REDUCE, late, cur.layout, frozenset())
         if gather:
             lay = [tuple(m for m in ms if m not in gather) for ms in cur.layout]
             step(CollKind.ALL_GATHER, gather, tuple(lay), frozenset())

@@ -91,6 +91,8 @@ class Symbols:
     pp = _sym("pp")
     cp = _sym("cp")
     ep = _sym("ep")
+    dp_replicate = _sym("dp_replicate")
+    """Replicas of a hybrid-sharded data-parallel group (``plan.dp_replicate``; 1 otherwise)."""
     ep_data = _sym("ep_data")
     """Data-parallel ranks one expert-parallel group takes: ``ep``, or ``ep / tp`` when the
     group spans the tensor-parallel ranks too (``ep_over_tp``)."""
@@ -222,12 +224,16 @@ training step and plan)."""
 DEGREE: dict[MeshAxis, sp.Expr] = {
     # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis holds the
     # dp / ep_data replicas of each expert shard, so DP x EP spans all dp data-parallel ranks
-    # (ep_data = ep, or ep / tp when the expert group also spans the tensor-parallel ranks)
+    # (ep_data = ep, or ep / tp when the expert group also spans the tensor-parallel ranks);
+    # under hybrid sharding DS x EP is one sharding group and DR its dp_replicate replicas,
+    # in DP's place
     MeshAxis.DP: S.dp / S.ep_data,
+    MeshAxis.DS: S.dp / (S.ep_data * S.dp_replicate),
+    MeshAxis.DR: S.dp_replicate,
     MeshAxis.TP: S.tp,
     MeshAxis.PP: S.pp,
     MeshAxis.CP: S.cp,
     MeshAxis.EP: S.ep_data,
 }
-"""Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep_data`` a factor of
-it)."""
+"""Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep_data`` and
+``dp_replicate`` factors of it)."""

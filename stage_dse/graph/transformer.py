@@ -54,12 +54,15 @@ from stage_dse.spec import (
 __all__ = ["DIMS", "GraphKey", "ModelGraphs", "build_graphs", "graph_key"]
 
 DP, TP, CP, EP = MeshAxis.DP, MeshAxis.TP, MeshAxis.CP, MeshAxis.EP
+DS, DR = MeshAxis.DS, MeshAxis.DR
 DATA_AXES = (DP, EP, CP)
 """Axes over which dense gradients are reduced and ZeRO shards states (Megatron: dp x cp)."""
 EXPERT_DATA_AXES = (DP, CP)
 """Expert weights are split over EP already: their replicas live on the DP (and CP) axes."""
 BATCH = (DP, EP)
-"""The batch is split over every data-parallel rank (EP is a factor of the data-parallel size)."""
+"""The batch is split over every data-parallel rank (EP is a factor of the data-parallel size).
+Under hybrid sharding DS takes DP's place in these and the batch is split over DR too, where
+the states' replicas live (:meth:`_Builder.hybrid`)."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +104,25 @@ class _Builder:
         """None (training), "prefill" or "decode": forward only, attention over a KV cache."""
         self.kv_bytes = kv_bytes
 
+    def hybrid(self, axes: tuple[MeshAxis, ...]) -> tuple[MeshAxis, ...]:
+        """``axes`` under this plan's sharding: as they are, or with hybrid sharding's
+        sharding group (DS) in DP's place."""
+        return tuple(DS if m is DP else m for m in axes) if self.k.hybrid_shard else axes
+
+    @property
+    def batch(self) -> tuple[MeshAxis, ...]:
+        """The mesh axes the batch is split over: every data-parallel rank."""
+        return (*self.hybrid(BATCH), DR) if self.k.hybrid_shard else BATCH
+
     # layouts of [b, s, h] activations
     @property
     def act(self) -> tuple[tuple[MeshAxis, ...], ...]:
         seq = (CP, TP) if self.k.sequence_parallel else (CP,)
-        return (BATCH, seq, ())
+        return (self.batch, seq, ())
 
-    full = (BATCH, (CP,), ())
+    @property
+    def full(self) -> tuple[tuple[MeshAxis, ...], ...]:
+        return (self.batch, (CP,), ())
 
     def w(self, name: str, axes, layout, states_over=DATA_AXES, dtype_bytes=None) -> Tensor:
         """A parameter whose ZeRO states (and FSDP shards) are split over ``states_over``."""
@@ -116,7 +131,7 @@ class _Builder:
             axes,
             layout,
             self.pb if dtype_bytes is None else dtype_bytes,
-            shard_states_over=states_over,
+            shard_states_over=self.hybrid(states_over),
             fsdp=self.k.zero_stage == 3,
         )
 
@@ -481,12 +496,12 @@ class _Builder:
         g = self.g
         Bt, Sq, H, V, P = DIMS.batch, DIMS.seq, DIMS.hidden, DIMS.vocab, DIMS.positions
         with g.scope(Scope.EMBED):
-            ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
+            ids = g.tensor("token_ids", Role.INPUT, [Bt, Sq], [self.batch, (CP,)], 8)
             table = self.w("word_embeddings", [V, H], [(TP,), ()])
             x = g.embedding("word_embedding", ids, table, V, [Bt, Sq, H], self.ab)
             x = g.redistribute(x, self.act)
             if self.k.position is PositionKind.LEARNED:
-                pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [BATCH, (CP,)], 8)
+                pos_ids = g.tensor("position_ids", Role.INPUT, [Bt, Sq], [self.batch, (CP,)], 8)
                 pos_table = self.w("position_embeddings", [P, H], [(), ()])
                 pos = g.embedding("position_embedding", pos_ids, pos_table, P, [Bt, Sq, H], self.ab)
                 pos = g.redistribute(pos, self.act)
@@ -523,7 +538,7 @@ class _Builder:
     def _step(self) -> None:
         self.g.sync_and_step(
             self.k.zero_stage,
-            DATA_AXES,
+            self.hybrid(DATA_AXES),
             param_bytes=self.k.param_bytes,
             grad_bytes=self.k.grad_bytes,
             optimizer_bytes_per_param=self.k.optimizer_bytes_per_param,

@@ -44,7 +44,8 @@ GRAPH_COLUMNS = ("graph_attn", "graph_mlp", "graph_router", "graph_full")
 LABEL_COLUMNS = ("workload", "model", "hardware", "cluster", "num_gpus", "kv_bytes")
 INT_CONFIG = {
     "micro_batch", "seq", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "layers",
-    "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "tp", "pp", "cp",
+    "positions", "global_batch", "context", "prompt", "output_tokens", "dp", "dp_replicate",
+    "tp", "pp", "cp",
     "ep", "ep_data", "virtual_stages", "offload_layers", "fp8_rowwise", "fp8_wgrad_hp", "fp8_mx",
     "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
@@ -161,6 +162,7 @@ PLAN_CONFIG = {
 }  # fmt: skip
 _HASHED_APART = (
     "fused_elementwise",
+    "dp_replicate",
     "offload_layers",
     "host_bandwidth",
     "recompute_share",  # never hashed: the recompute label, pp, chunks and layers fix it
@@ -206,6 +208,12 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             if np.any(eager):
                 h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
+        # hybrid sharding's replicas (absent or 1: as before)
+        if "dp_replicate" in source:
+            replicas = np.nan_to_num(np.asarray(source["dp_replicate"], dtype=float), nan=1.0)
+            if np.any(replicas > 1):
+                extra = _mix(h ^ (_hash_input(pd.Series(replicas), False) + _stable64("dr")))
+                h = np.where(replicas > 1, extra, h)
         # activation offload and the host link it copies over (absent or none: as before)
         if "offload_layers" in source:
             layers = np.nan_to_num(np.asarray(source["offload_layers"], dtype=float))

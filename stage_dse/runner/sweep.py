@@ -110,9 +110,10 @@ def family_keys(spec: SweepSpec) -> list:
     sp = spec.space
     tp_many = isinstance(sp.tp, str) or any(t > 1 for t in sp.tp)
     pp_many = isinstance(sp.pp, str) or any(p > 1 for p in sp.pp)
+    hybrid = sorted({g > 0 for g in sp.shard_group})
     keys = set()
     for model in spec.models:
-        for fw, zero, rc, seq_par, att, v, order in product(
+        for fw, zero, rc, seq_par, att, v, order, replicas in product(
             sp.frameworks,
             sp.zero_stage,
             sp.recompute,
@@ -120,10 +121,15 @@ def family_keys(spec: SweepSpec) -> list:
             sp.attention,
             sorted({min(v, 2) for v in sp.virtual_stages}),
             sp.rank_order,
+            [2 if h else 1 for h in hybrid],
         ):
             if (seq_par and not tp_many) or (v > 1 and not pp_many):
                 continue
+            if replicas > 1 and zero == 0:
+                continue
             plan = ParallelPlan(
+                dp=replicas,
+                dp_replicate=replicas,
                 tp=2 if seq_par else 1,
                 pp=2 if v > 1 else 1,
                 zero_stage=zero,
@@ -429,6 +435,10 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
     )
     if best["stage_layers"].nunique() > 1:  # a sweep over layer splits: say which
         table.insert(13, "split", best["stage_layers"].astype(str))
+    replicas = best.get("dp_replicate")
+    if replicas is not None and (replicas.fillna(1) > 1).any():  # hybrid sharding: say how
+        at = table.columns.get_loc("zero") + 1
+        table.insert(at, "replicas", replicas.fillna(1).astype(int))
     frameworks = best.get("framework")
     if frameworks is not None and frameworks.nunique() > 1:  # a sweep over frameworks
         table.insert(2, "framework", frameworks.astype(str))

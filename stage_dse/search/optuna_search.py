@@ -44,6 +44,7 @@ PLAN_AXES = (
     "cp",
     "micro_batch",
     "zero_stage",
+    "shard_group",
     "recompute",
     "sequence_parallel",
     "ep",

@@ -142,6 +142,8 @@ class PlanGrid:
 
         t_tp, t_pp, t_cp = (tri[at["triple"], j] for j in range(3))
         v_sel = values("virtual_stages")
+        dp = self.num_gpus // (t_tp * t_pp * t_cp)
+        group = values("shard_group")  # 0: one sharding group of all dp ranks
         columns: dict[str, object] = {
             **model_columns(model, training),
             "hardware": hardware.name,
@@ -150,7 +152,8 @@ class PlanGrid:
             **bind_hardware(hardware, cluster),
             **self.framework_columns(at["framework"]),
             "num_gpus": self.num_gpus,
-            "dp": self.num_gpus // (t_tp * t_pp * t_cp),
+            "dp": dp,
+            "dp_replicate": np.where(group > 0, dp // np.maximum(group, 1), 1),
             "tp": t_tp,
             "pp": t_pp,
             "cp": t_cp,
@@ -236,6 +239,7 @@ def plan_grid(
         "ep_over_tp": list(dict.fromkeys(space.ep_over_tp)),
         "ep": eps,
         "zero_stage": sorted(set(space.zero_stage)),
+        "shard_group": sorted(set(space.shard_group)),
         "recompute": list(dict.fromkeys(space.recompute)),
         "sequence_parallel": list(dict.fromkeys(space.sequence_parallel)),
         "attention": list(dict.fromkeys(space.attention)),
@@ -302,6 +306,9 @@ def plan_grid(
     fold = grid("ep_over_tp").astype(bool)
     mp = tp * pp * cp
     dp = np.where(n % mp == 0, n // np.maximum(mp, 1), 0)
+    zero = grid("zero_stage").astype(np.int64)
+    group = grid("shard_group").astype(np.int64)
+    hybrid = group > 0
     per_step = np.maximum(dp * mb, 1)
     m = np.where(
         training.global_batch_size % per_step == 0, training.global_batch_size // per_step, 0
@@ -325,6 +332,13 @@ def plan_grid(
         (f"tp*cp does not divide seq({s}) under sequence parallelism", sp_ & (s % (tp * cp) != 0)),
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
         *_moe_rules(model, tp, ep, etp, fold, sp_, dp),
+        ("shard_group needs zero_stage >= 1", hybrid & (zero == 0)),
+        ("shard_group does not divide dp", hybrid & (dp % np.maximum(group, 1) != 0)),
+        ("shard_group is not below dp (0 shards over all dp ranks)", hybrid & (group >= dp)),
+        (
+            "ep does not fit a sharding group (shard_group)",
+            hybrid & (group % np.maximum(np.where(fold, ep // np.maximum(tp, 1), ep), 1) != 0),
+        ),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
         (f"offload_layers must be below layers({L})", offload >= L),
         ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),

@@ -13,6 +13,7 @@ from stage_dse.spec.plan import (
     ParallelPlan,
     PipelineSchedule,
     Recompute,
+    mesh_order,
     parse_recompute,
     validate_plan,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "SweepSpec",
     "TrainingSpec",
     "check_gemm_dtype",
+    "mesh_order",
     "parse_recompute",
     "validate_plan",
 ]

@@ -1,6 +1,7 @@
 """``ParallelPlan``: how one model is split over GPUs, and the cross-checks against a model.
 
-What lives here: the plan dataclass, its enums, and :func:`validate_plan`, which checks a plan
+What lives here: the plan dataclass, its enums (recompute and CUDA-graph choices come from
+:mod:`stage_dse.spec.execution`), the mesh axes, and :func:`validate_plan`, which checks a plan
 against a model, a training step and a GPU count with messages that name the violated relation.
 What does not: any cost.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple
 
 from stage_dse.errors import ConfigError
 from stage_dse.spec._validate import (
@@ -24,12 +24,22 @@ from stage_dse.spec._validate import (
     non_negative_int,
     positive_int,
 )
+from stage_dse.spec.execution import (
+    CUDA_GRAPH_MODULES,
+    RECOMPUTE_MODULES,
+    Recompute,
+    RecomputeChoice,
+    cuda_graphs_label,
+    parse_cuda_graphs,
+    parse_recompute,
+)
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.stages import normalize_stage_layers, virtual_stage_layers
 from stage_dse.spec.training import TrainingSpec
 
 __all__ = [
     "CUDA_GRAPH_MODULES",
+    "DATA_PARALLEL_AXES",
     "RECOMPUTE_MODULES",
     "AttentionKernel",
     "MeshAxis",
@@ -37,6 +47,7 @@ __all__ = [
     "PipelineSchedule",
     "Recompute",
     "RecomputeChoice",
+    "mesh_order",
     "parse_recompute",
     "validate_plan",
 ]
@@ -49,157 +60,18 @@ class MeshAxis(StrEnum):
     CP = "cp"
     EP = "ep"
     DP = "dp"
+    DS = "ds"
+    """Under hybrid sharding (``plan.dp_replicate > 1``), the DP axis splits in two: DS, the
+    ``dp / dp_replicate`` ranks of one sharding group (outside EP), and DR, its
+    ``dp_replicate`` replicas. Neither is named in ``rank_order``: they take DP's place."""
+    DR = "dr"
     PP = "pp"
 
 
-class Recompute(StrEnum):
-    """Activation recomputation (Korthikanti et al., MLSys 2023)."""
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    """Recompute the attention core (QK^T, softmax, dropout): drops the a*s^2 activations."""
-    FULL = "full"
-    """Keep only each layer's input; rerun the layer's forward during backward."""
-    OP = "op"
-    """PyTorch per-op selective checkpointing as torchtitan applies it (``selective_ac_option =
-    "op"``, ``torchtitan/parallelisms/parallelize_llama.py``): keep the outputs of fused
-    attention, of reduce-scatters and of every other matmul (the 1st, 3rd, ... of a layer's
-    forward); rerun everything else (the other matmuls, norms, rotary, activations) in
-    backward."""
-
-
-CUDA_GRAPH_MODULES: tuple[str, ...] = (
-    "attn",
-    "mlp",
-    "moe_router",
-    "moe_preprocess",
-    "full_iteration",
-)
-"""What a run captures in CUDA graphs (Megatron-Core ``--cuda-graph-impl`` and
-``--cuda-graph-scope``): per layer its attention half (``attn``), a dense layer's MLP half
-(``mlp``), a MoE layer's router (``moe_router``) and the dispatch's metadata before it
-(``moe_preprocess``), or the whole forward-backward (``full_iteration``). What is not captured
-is issued op by op from the host; a dropless MoE layer's dispatch, experts and combine have
-data-dependent shapes and stay eager under per-layer graphs (Megatron-Core MoE README, "CUDA
-Graph")."""
-
-
-def cuda_graphs_label(modules: tuple[str, ...]) -> str:
-    """``plan.cuda_graphs`` as rows and sweeps name it (``none``, ``attn+moe_router``)."""
-    return "+".join(modules) or "none"
-
-
-def parse_cuda_graphs(value: object) -> tuple[str, ...]:
-    """``plan.cuda_graphs`` as modules in :data:`CUDA_GRAPH_MODULES` order: from ``"none"``,
-    ``"attn+moe_router"``, ``"full_iteration"`` or a list of names."""
-    valid = ", ".join(CUDA_GRAPH_MODULES)
-    if isinstance(value, str):
-        value = [] if value.strip() in ("", "none") else value.replace(",", "+").split("+")
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(
-            f"plan.cuda_graphs must be none or modules joined by '+' ({valid}), got {value!r}"
-        )
-    names = {str(m).strip() for m in value}
-    unknown = sorted(names - set(CUDA_GRAPH_MODULES))
-    if unknown:
-        raise ConfigError(
-            f"plan.cuda_graphs: unknown module {unknown[0]!r} (one of: {valid}, or none)"
-        )
-    if "full_iteration" in names and len(names) > 1:
-        raise ConfigError(
-            "plan.cuda_graphs=full_iteration captures the whole step: name it alone, got "
-            + "+".join(m for m in CUDA_GRAPH_MODULES if m in names)
-        )
-    return tuple(m for m in CUDA_GRAPH_MODULES if m in names)
-
-
-RECOMPUTE_MODULES: tuple[str, ...] = (
-    "core_attn",
-    "layernorm",
-    "mla_up_proj",
-    "mlp",
-    "moe",
-    "moe_act",
-    "shared_experts",
-)
-"""Megatron-Core's selective-recompute modules (``TransformerConfig.recompute_modules``, used
-with ``recompute_granularity="selective"``; its default is ``["core_attn"]``, the attention core
-:attr:`Recompute.SELECTIVE` reruns): ``core_attn`` the attention core; ``layernorm`` the input
-and pre-MLP norms, whose outputs are dropped and rebuilt from their inputs; ``mla_up_proj`` the
-latent-attention up-projections and rotary embedding, whose outputs (the attention's query, key
-and value) are dropped; ``moe_act`` the routed experts' activation, whose output is dropped;
-``mlp`` the dense MLP, ``moe`` the whole mixture-of-experts layer (router, dispatch, experts,
-combine, shared experts) and ``shared_experts`` the shared experts, each checkpointed: only its
-input is kept and its forward, collectives included, reruns in backward."""
-
-
-class RecomputeChoice(NamedTuple):
-    """A recompute mode with its Megatron-Core refinements: the modules selective recompute
-    reruns, or how many layers of each model chunk full recompute covers (0: all)."""
-
-    mode: Recompute
-    modules: tuple[str, ...] = ()
-    layers: int = 0
-
-    @property
-    def label(self) -> str:
-        """The label of the choice in result rows and sweeps: the mode,
-        ``selective:<module>+<module>`` for a module list, ``full:<layers>`` for block
-        recompute of that many layers per model chunk."""
-        if self.modules:
-            return f"{self.mode.value}:{'+'.join(self.modules)}"
-        if self.layers:
-            return f"{self.mode.value}:{self.layers}"
-        return self.mode.value
-
-
-def parse_recompute(value: object, modules: object = (), layers: object = 0) -> RecomputeChoice:
-    """A recompute choice from a mode (``"full"``) or a label that refines it
-    (``"selective:mla_up_proj+moe_act"``, ``"full:5"``); modules come back in
-    :data:`RECOMPUTE_MODULES` order, empty for the default attention core."""
-    if isinstance(value, Recompute) and not modules and not layers:
-        return RecomputeChoice(value)
-    if isinstance(value, str) and ":" in value:
-        value, named = value.split(":", 1)
-        if modules or layers:
-            raise ConfigError(
-                f"plan.recompute={value}:{named} names its refinement; drop "
-                "recompute_modules and recompute_layers"
-            )
-        names = [m for m in named.split("+") if m]
-        if value == Recompute.FULL.value and not set(names) <= set(RECOMPUTE_MODULES):
-            try:
-                layers = int(named)
-            except ValueError:
-                raise ConfigError(
-                    f"plan.recompute=full:{named}: full recompute takes a layer count per model "
-                    "chunk (e.g. full:5)"
-                ) from None
-        else:
-            modules = names
-    mode = coerce_enum(Recompute, "plan", "recompute", value)
-    if isinstance(modules, str):
-        modules = [m for m in modules.replace(",", "+").split("+") if m.strip()]
-    names = [str(m).strip() for m in (modules or ())]
-    for name in names:
-        if name not in RECOMPUTE_MODULES:
-            raise ConfigError(
-                f"plan.recompute_modules: unknown module {name!r} "
-                f"(one of: {', '.join(RECOMPUTE_MODULES)})"
-            )
-    if names and mode is not Recompute.SELECTIVE:
-        raise ConfigError(
-            f"plan.recompute_modules={'+'.join(names)} needs recompute=selective, "
-            f"got recompute={mode.value}"
-        )
-    non_negative_int("plan", "recompute_layers", layers)
-    if layers and mode is not Recompute.FULL:
-        raise ConfigError(
-            f"plan.recompute_layers({layers}) needs recompute=full (Megatron-Core's block "
-            f"method), got recompute={mode.value}"
-        )
-    ordered = tuple(m for m in RECOMPUTE_MODULES if m in names)
-    return RecomputeChoice(mode, () if ordered == ("core_attn",) else ordered, int(layers))
+DATA_PARALLEL_AXES = frozenset({MeshAxis.DP, MeshAxis.DS, MeshAxis.DR})
+"""A communicator group holding one of these serves data parallelism (gradient sync, ZeRO)."""
+USER_AXES = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
+"""The axes ``rank_order`` orders (hybrid sharding's DS and DR take DP's place)."""
 
 
 class AttentionKernel(StrEnum):
@@ -239,6 +111,14 @@ class ParallelPlan:
 
     dp: int = 1
     """Data-parallel replicas."""
+    dp_replicate: int = 1
+    """Hybrid sharding: ZeRO states (and FSDP parameters) are sharded over groups of
+    ``dp / dp_replicate`` data-parallel ranks, adjacent in rank order, and replicated over
+    ``dp_replicate`` such groups. Gradients are reduce-scattered inside a group, then the shard
+    is all-reduced across the replicas (PyTorch FSDP ``ShardingStrategy.HYBRID_SHARD``, FSDP2
+    on a 2-D mesh, torchtitan's ``data_parallel_replicate_degree``; Megatron-LM's
+    ``--num-distributed-optimizer-instances``); 1: one group of all ``dp`` ranks. Needs
+    ``zero_stage >= 1``."""
     tp: int = 1
     """Tensor (Megatron intra-layer) parallel size."""
     pp: int = 1
@@ -342,7 +222,16 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         owner = "plan"
-        for field in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
+        for field in (
+            "dp",
+            "dp_replicate",
+            "tp",
+            "pp",
+            "cp",
+            "ep",
+            "micro_batch_size",
+            "virtual_stages",
+        ):
             positive_int(owner, field, getattr(self, field), MAX_GPUS)
         non_negative_int(owner, "offload_layers", self.offload_layers)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
@@ -380,7 +269,12 @@ class ParallelPlan:
         if isinstance(order, str):
             order = tuple(order.split("-"))
         order = tuple(coerce_enum(MeshAxis, owner, "rank_order", a) for a in order)
-        if sorted(order) != sorted(MeshAxis):
+        if {MeshAxis.DS, MeshAxis.DR} & set(order):
+            raise ConfigError(
+                "plan.rank_order names ds or dr: hybrid sharding splits dp in place (the "
+                "sharding group, then its replicas); set dp_replicate and order tp, cp, ep, dp, pp"
+            )
+        if sorted(order) != sorted(USER_AXES):
             valid = "-".join(a.value for a in DEFAULT_RANK_ORDER)
             raise ConfigError(
                 f"plan.rank_order={'-'.join(a.value for a in order)} must name each of "
@@ -389,6 +283,17 @@ class ParallelPlan:
         object.__setattr__(self, "rank_order", order)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("plan.sequence_parallel=true needs tp > 1, got tp(1)")
+        if self.dp_replicate > 1:
+            if self.dp % self.dp_replicate:
+                raise ConfigError(
+                    f"plan.dp_replicate({self.dp_replicate}) does not divide dp({self.dp}) "
+                    "(hybrid sharding: dp = sharding group x replicas)"
+                )
+            if self.zero_stage == 0:
+                raise ConfigError(
+                    f"plan.dp_replicate({self.dp_replicate}) > 1 needs zero_stage >= 1 "
+                    "(replicas of a sharded group; without ZeRO every rank is a replica)"
+                )
         if self.expert_tensor_parallel and self.tp == 1:
             raise ConfigError("plan.expert_tensor_parallel=true needs tp > 1, got tp(1)")
         if self.ep_over_tp and self.tp == 1:
@@ -427,6 +332,35 @@ class ParallelPlan:
         return self.tp * self.pp * self.cp
 
     @property
+    def hybrid_shard(self) -> bool:
+        """ZeRO states are sharded over part of the data-parallel ranks (``dp_replicate > 1``)."""
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks one sharding group spans: ``dp / dp_replicate``."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def mesh_order(self) -> tuple[MeshAxis, ...]:
+        """The mesh axes, fastest-varying first (:func:`mesh_order`)."""
+        return mesh_order(self.rank_order, self.hybrid_shard)
+
+    @property
+    def mesh_degrees(self) -> dict[MeshAxis, int]:
+        """Ranks along each mesh axis (DP counts the data-parallel ranks outside EP, DS those
+        of one sharding group)."""
+        return {
+            MeshAxis.TP: self.tp,
+            MeshAxis.CP: self.cp,
+            MeshAxis.EP: self.ep_data,
+            MeshAxis.DP: self.dp // self.ep_data,
+            MeshAxis.DS: self.dp // (self.ep_data * self.dp_replicate),
+            MeshAxis.DR: self.dp_replicate,
+            MeshAxis.PP: self.pp,
+        }
+
+    @property
     def ep_data(self) -> int:
         """Data-parallel ranks an expert-parallel group takes: ``ep``, or ``ep / tp`` when it
         spans the tensor-parallel ranks too."""
@@ -442,6 +376,17 @@ class ParallelPlan:
 
     def replace(self, **changes: object) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
+
+
+def mesh_order(rank_order: tuple[MeshAxis, ...], hybrid: bool = False) -> tuple[MeshAxis, ...]:
+    """The mesh axes, fastest-varying first: ``rank_order``, and under hybrid sharding DP
+    replaced by the sharding group (DS) and its replicas (DR) right after it (FSDP2's and
+    torchtitan's ``(dp_replicate, dp_shard)`` mesh, Megatron-LM's contiguous optimizer
+    instances)."""
+    if not hybrid or MeshAxis.DP not in rank_order:
+        return rank_order
+    i = rank_order.index(MeshAxis.DP)
+    return (*rank_order[:i], MeshAxis.DS, MeshAxis.DR, *rank_order[i + 1 :])
 
 
 def ep_fits_over_tp(ep: int, tp: int, dp: int) -> bool:
@@ -545,6 +490,12 @@ def validate_plan(
             raise ConfigError(
                 f"tp({plan.tp}) does not divide moe_ffn_hidden_size({model.moe_ffn_hidden_size})"
             )
+    if plan.hybrid_shard and plan.dp_shard % plan.ep_data:
+        raise ConfigError(
+            f"ep({plan.ep}) does not fit a sharding group of dp({plan.dp})/dp_replicate"
+            f"({plan.dp_replicate})={plan.dp_shard} ranks (hybrid sharding: the expert-parallel "
+            f"group lies inside one; {plan.ep_data} data-parallel ranks must divide it)"
+        )
     per_step = plan.dp * plan.micro_batch_size
     if training.global_batch_size % per_step:
         raise ConfigError(

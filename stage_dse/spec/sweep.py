@@ -17,8 +17,8 @@ from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import (
+    USER_AXES,
     AttentionKernel,
-    MeshAxis,
     cuda_graphs_label,
     parse_cuda_graphs,
     parse_recompute,
@@ -70,6 +70,10 @@ class SearchSpace:
     """Expert groups over the tensor-parallel ranks too (``ParallelPlan.ep_over_tp``)."""
     micro_batch_size: Sequence[int] = (1, 2, 4, 8)
     zero_stage: Sequence[int] = (0, 1, 2, 3)
+    shard_group: Sequence[int] = (0,)
+    """Data-parallel ranks a ZeRO/FSDP sharding group spans (hybrid sharding: the
+    ``dp / shard_group`` groups are replicas, ``ParallelPlan.dp_replicate``); 0: all of them.
+    A size above 0 applies to plans with ZeRO whose ``dp`` it divides into two or more groups."""
     recompute: Sequence[str] = ("none", "selective", "full")  # also "op"
     sequence_parallel: Sequence[bool] = (False, True)
     attention: Sequence[str] = ("flash",)
@@ -125,6 +129,15 @@ class SearchSpace:
         for z in self.zero_stage:
             if z not in (0, 1, 2, 3):
                 raise ConfigError(f"plan.zero_stage={z!r} is not one of: 0, 1, 2, 3")
+        if not self.shard_group:
+            raise ConfigError("plan.shard_group must list at least one size (0: all dp ranks)")
+        for g in self.shard_group:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise ConfigError(
+                    f"plan.shard_group values must be integers >= 0 (0: shard over all dp "
+                    f"ranks), got {g!r}"
+                )
+        object.__setattr__(self, "shard_group", tuple(sorted(set(self.shard_group))))
         labels = []
         for r in self.recompute:
             if not isinstance(r, str):
@@ -145,7 +158,7 @@ class SearchSpace:
                 )
         for order in self.rank_order:
             parts = str(order).split("-")
-            if sorted(parts) != sorted(m.value for m in MeshAxis):
+            if sorted(parts) != sorted(m.value for m in USER_AXES):
                 raise ConfigError(
                     f"plan.rank_order={order} must name each of tp, cp, ep, dp, pp exactly once"
                 )

@@ -32,13 +32,13 @@ from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase
 from stage_dse.spec import (
     ClusterSpec,
     HardwareSpec,
-    MeshAxis,
     ModelSpec,
     ParallelPlan,
     TrainingSpec,
     check_gemm_dtype,
     validate_plan,
 )
+from stage_dse.spec.plan import DATA_PARALLEL_AXES
 from stage_dse.spec.stages import stage_layer_counts
 from stage_dse.trace.mesh import EMBEDDING, Mesh
 from stage_dse.trace.numbers import SECTION_NAMES, SetNumbers, set_numbers
@@ -314,19 +314,24 @@ def _block_rerun(instances: list, rerun: dict, recompute_layers: int) -> list[bo
 
 
 def _per_mb_data(op) -> bool:
-    return op.is_comm and MeshAxis.DP in op.group and op.frequency is Frequency.PER_MICROBATCH
+    return (
+        op.is_comm
+        and bool(op.group & DATA_PARALLEL_AXES)
+        and op.frequency is Frequency.PER_MICROBATCH
+    )
 
 
 def data_buckets(
     nums: SetNumbers, ops, only=None, label: str = "", data_axis: bool = True
 ) -> list[Bucket]:
-    """The data-parallel collectives among ``ops`` (those whose group holds DP; with
+    """The data-parallel collectives among ``ops`` (those whose group holds DP or DR; with
     ``data_axis=False`` those whose group does not) as one flat buffer per (kind, group),
     timed as the cost model times the same bucket."""
     sizes: dict[tuple, float] = {}
     first: dict[tuple, str] = {}
     for op in ops:
-        if not (op.is_comm and (MeshAxis.DP in op.group) == data_axis) or (only and not only(op)):
+        data = bool(op.group & DATA_PARALLEL_AXES)
+        if not (op.is_comm and data == data_axis) or (only and not only(op)):
             continue
         k = (op.coll, op.group)
         sizes[k] = sizes.get(k, 0.0) + nums.comm_bytes(op)

@@ -35,15 +35,10 @@ class Mesh:
 
     def __post_init__(self) -> None:
         p = self.plan
-        self.degree = {
-            MeshAxis.TP: p.tp,
-            MeshAxis.CP: p.cp,
-            MeshAxis.EP: p.ep_data,
-            # EP is carved out of the data-parallel ranks (ep / tp of them with ep_over_tp)
-            MeshAxis.DP: p.dp // p.ep_data,
-            MeshAxis.PP: p.pp,
-        }
-        self.order = p.rank_order
+        # EP is carved out of the data-parallel ranks (ep / tp of them with ep_over_tp), DR
+        # holds the replicas of a hybrid-sharded group
+        self.degree = p.mesh_degrees
+        self.order = p.mesh_order
         self.stride: dict[MeshAxis, int] = {}
         acc = 1
         for axis in self.order:

@@ -39,7 +39,6 @@ from stage_dse.cost.compile import compile_expressions
 from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind
 from stage_dse.graph.symbols import Symbols
-from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
 from stage_dse.trace.numbers import OpNumbers, op_expressions, op_table, symbol_row
 
@@ -101,7 +100,7 @@ def op_numbers(cfg, ops: list[Op], values: dict | None = None) -> dict[int, OpNu
     """Flops, bytes, collective bytes and microseconds of each op (by identity) at one
     configuration's symbol values."""
     row = symbol_row(config_values(cfg) if values is None else values)
-    return op_table(ops, _number_fn(ops, cfg.plan.rank_order)(row)[0])
+    return op_table(ops, _number_fn(ops, cfg.plan.mesh_order)(row)[0])
 
 
 @dataclass
@@ -305,13 +304,7 @@ class Program:
 
 def group_size(plan, group) -> int:
     """Ranks in a communicator group of a plan's mesh (DP counts the ranks outside EP)."""
-    degree = {
-        MeshAxis.TP: plan.tp,
-        MeshAxis.CP: plan.cp,
-        MeshAxis.EP: plan.ep_data,
-        MeshAxis.DP: plan.dp // plan.ep_data,
-        MeshAxis.PP: plan.pp,
-    }
+    degree = plan.mesh_degrees
     return int(np.prod([degree[a] for a in group]))
 
 

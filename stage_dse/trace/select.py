@@ -119,6 +119,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         cp=int(row["cp"]),
         micro_batch_size=int(row["micro_batch"]),
         zero_stage=int(row["zero_stage"]),
+        dp_replicate=_replicas(row),
         recompute=str(row["recompute"]),
         sequence_parallel=bool(row["sequence_parallel"]),
         attention=str(row["attention"]),
@@ -315,8 +316,8 @@ def estimate_trace_bytes(row: Mapping, steps: int = 4) -> float:
     Nodes per layer and micro-batch, measured on Llama-3 sets: about 1 without model
     parallelism, and per parallelism that splits a layer's kernels with collectives: tensor
     parallel 9 (20 with sequence parallelism, 3 more with recompute), context parallel 7,
-    expert parallel 8, ZeRO-3 4. A serving row writes ``steps`` decode steps (one pass for a
-    prefill)."""
+    expert parallel 8, ZeRO-3 4 (5 under hybrid sharding: the replicas' all-reduce). A serving
+    row writes ``steps`` decode steps (one pass for a prefill)."""
     ranks = int(row["num_gpus"])
     layers = -(-int(row["layers"]) // int(row["pp"]))
     if str(row.get("workload", "training")) == "serving":
@@ -329,10 +330,11 @@ def estimate_trace_bytes(row: Mapping, steps: int = 4) -> float:
         per += 3 if str(row.get("recompute", "none")) != "none" else 0
     per += 7 if int(row.get("cp", 1)) > 1 else 0
     per += 8 if int(row.get("ep", 1)) > 1 else 0
-    per += 4 if int(row.get("zero_stage", 0)) == 3 else 0
-    # once per step: a gradient bucket per layer (and a parameter gather with ZeRO-1/2), the
-    # optimizer
-    step = (layers + 2) * (2 if int(row.get("zero_stage", 0)) in (1, 2) else 1) + 2
+    zero, hybrid = int(row.get("zero_stage", 0)), _replicas(row) > 1
+    per += (5 if hybrid else 4) if zero == 3 else 0
+    # once per step: a gradient bucket per layer (and a parameter gather with ZeRO-1/2, and
+    # the replicas' all-reduce under hybrid sharding), the optimizer
+    step = (layers + 2) * ((3 if hybrid else 2) if zero in (1, 2) else 1) + 2
     return ranks * (micro * (layers + 2) * per + step) * BYTES_PER_NODE
 
 
@@ -347,3 +349,9 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ConfigError(f"--max-bytes {text!r}: give a positive size, e.g. 2G or 500M")
     return value
+
+
+def _replicas(row) -> int:
+    """Hybrid sharding's replicas of a row (1 where absent: rows written before it existed)."""
+    value = row.get("dp_replicate")
+    return 1 if value is None or value != value else int(value)

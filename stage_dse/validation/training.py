@@ -145,10 +145,11 @@ def training_setup(case: Case) -> TrainingSetup:
             )
         if key == "zero" and isinstance(value, str) and value not in ZERO_NAMES:
             raise Unexpressible(f"sharding {value!r} (ZeRO 0-3, {', '.join(ZERO_NAMES)})")
-    if "shard_group" in f and f["shard_group"] != f.get("dp", f["shard_group"]):
+    dp, group = f.get("dp"), f.get("shard_group")
+    if group is not None and dp is not None and dp % group:
         raise Unexpressible(
-            f"hybrid sharding (shard group {f['shard_group']} inside dp {f.get('dp')}, "
-            "replicas across groups)"
+            f"a shard group of {group} ranks that does not divide dp({dp}) (hybrid sharding "
+            "replicates whole groups)"
         )
     axes = {}
     for name in PLAN_AXES:
@@ -230,6 +231,8 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         cuda_graphs=f.get("cuda_graphs", "none"),
         stage_layers=str(f.get("stage_layers", "balanced")),
         rank_order=f.get("rank_order", DEFAULT_RANK_ORDER),
+        # hybrid sharding: states sharded over shard_group ranks, replicated across groups
+        dp_replicate=dp // f.get("shard_group", dp),
         **flags,
     )
 
@@ -274,6 +277,8 @@ def plan_label(plan: ParallelPlan) -> str:
         parts.append(f"v{plan.virtual_stages}")
     parts.append(f"mb{plan.micro_batch_size}")
     parts.append(f"zero{plan.zero_stage}")
+    if plan.hybrid_shard:
+        parts.append(f"x{plan.dp_replicate} replicas")
     parts.append(plan.recompute_label)
     if plan.sequence_parallel:
         parts.append("sp")
