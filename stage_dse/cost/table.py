@@ -116,6 +116,7 @@ def key_from_values(v: dict) -> CostKey:
 @lru_cache(maxsize=4096)
 def _key_of(values: tuple) -> CostKey:
     v = dict(zip(KEY_COLUMNS, values, strict=True))
+    hybrid = int(v["dp_replicate"]) > 1  # hybrid sharding: DS and DR in DP's place
     graph = GraphKey(
         norm=NormKind(v["norm"]),
         mlp=MlpKind(v["mlp"]),
@@ -139,7 +140,7 @@ def _key_of(values: tuple) -> CostKey:
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
-        hybrid_shard=int(v["dp_replicate"]) > 1,
+        hybrid_shard=hybrid,
     )
     recompute = parse_recompute(v["recompute"])
     return CostKey(
@@ -147,10 +148,7 @@ def _key_of(values: tuple) -> CostKey:
         recompute=recompute.mode,
         recompute_modules=recompute.modules,
         schedule=PipelineSchedule(v["schedule"]),
-        rank_order=mesh_order(
-            tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")),
-            int(v["dp_replicate"]) > 1,
-        ),
+        rank_order=mesh_order(tuple(MeshAxis(a) for a in str(v["rank_order"]).split("-")), hybrid),
         overlap_grad_reduce=bool(v["overlap_grad_reduce"]),
         overlap_param_gather=bool(v["overlap_param_gather"]),
         tp_comm_overlap=bool(v["tp_comm_overlap"]),
