@@ -87,6 +87,7 @@ TRAINING_FIELDS: dict[str, tuple] = {
     "fp8_recipe": TEXT,
     "grads": TEXT,
     "optimizer_states": TEXT,
+    "master": TEXT,
     "attention": TEXT,
     "sequence_parallel": BOOL,
     "seq_len": INT,

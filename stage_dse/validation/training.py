@@ -133,6 +133,7 @@ def training_setup(case: Case) -> TrainingSetup:
             gemm_dtype="fp8" if precision == "fp8" else "bf16",
             fp8_recipe=f.get("fp8_recipe", "tensorwise"),
             optimizer_state_dtype=f.get("optimizer_states", DType.FP32),
+            master_dtype=f.get("master", DType.FP32),
         )
     except ConfigError as exc:
         raise CorpusError(f"{label}: {exc}") from None
