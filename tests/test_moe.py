@@ -441,3 +441,47 @@ def test_deduplicated_dispatch_shortens_only_all_to_alls_that_cross_nodes():
     assert across[1]["ep_comm_s"] < across[0]["ep_comm_s"]
     # the bytes on the wire are the same buffers; only their network share shrinks
     assert across[0]["comm_ep_bytes"] == across[1]["comm_ep_bytes"]
+
+
+@given(
+    ep=st.sampled_from([1, 2, 4, 8]),
+    top_k=st.sampled_from([1, 2, 4]),
+    micro_batch=st.sampled_from([1, 2]),
+)
+@settings(max_examples=12, deadline=None)
+def test_probabilities_in_the_activation_keep_no_expert_outputs(ep, top_k, micro_batch):
+    """Megatron-Core's memory-efficient permutation scales the experts' activation by the
+    routing probabilities and combines unweighted: each MoE layer stops keeping the experts'
+    outputs, its tokens x top_k rows of hidden values (balanced routing), and nothing else
+    changes: flops, communication and every other memory term are the same."""
+    model = small_moe(top_k=top_k)
+    seq = 512
+    t = TrainingSpec(seq_len=seq, global_batch_size=64)
+    base = dict(dp=8, ep=ep, micro_batch_size=micro_batch)
+    kept = evaluate_plan(model, t, ParallelPlan(**base), 8, hardware=H100)
+    weighted = evaluate_plan(
+        model, t, ParallelPlan(**base, moe_weighted_activation=True), 8, hardware=H100
+    )
+    rows = micro_batch * seq * top_k  # each rank's experts receive its tokens' top_k copies
+    saved = model.num_layers * rows * model.hidden_size * t.params_dtype.bytes
+    assert kept["mem_activations_bytes"] - weighted["mem_activations_bytes"] == pytest.approx(
+        saved, rel=1e-12
+    )
+    for name in ("model_flops", "hardware_flops", "comm_ep_bytes", "mem_weights_bytes"):
+        assert weighted[name] == pytest.approx(kept[name], rel=1e-12), name
+
+
+def test_only_moe_graphs_and_megatron_core_take_the_weighted_activation():
+    """A dense model's plan with the flag is the same family as without it; the
+    ``megatron_core`` profile sets it, the 2024 NeMo profile and torchtitan do not."""
+    from stage_dse.config import load_framework
+    from stage_dse.graph.dims import graph_key
+
+    dense = load_model("llama3_8b")
+    t = TrainingSpec(seq_len=2048, global_batch_size=64)
+    on, off = ParallelPlan(moe_weighted_activation=True), ParallelPlan()
+    assert graph_key(dense, on, t) == graph_key(dense, off, t)
+    assert graph_key(small_moe(), on, t) != graph_key(small_moe(), off, t)
+    flags = {n: load_framework(n).moe_weighted_activation for n in ("megatron_core", "nemo")}
+    assert flags == {"megatron_core": True, "nemo": False}
+    assert not load_framework("torchtitan_fsdp2").moe_weighted_activation

@@ -90,6 +90,7 @@ PLAN_KEY_COLUMNS = (
     "grad_sync_per_step",
     "ep_dispatch_dedup",
     "fused_elementwise",
+    "moe_weighted_activation",
     "dp_replicate",
 )
 KEY_COLUMNS = MODEL_KEY_COLUMNS + TRAINING_KEY_COLUMNS + PLAN_KEY_COLUMNS
@@ -106,7 +107,14 @@ def key_from_values(v: dict) -> CostKey:
     except KeyError:  # tables written before these were columns
         pass
     optional = dict.fromkeys(
-        ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup"), False
+        (
+            "zero_sync_per_tensor",
+            "ep_over_tp",
+            "grad_sync_per_step",
+            "ep_dispatch_dedup",
+            "moe_weighted_activation",
+        ),
+        False,
     )
     optional["fused_elementwise"] = True
     optional["dp_replicate"] = 1
@@ -140,6 +148,7 @@ def _key_of(values: tuple) -> CostKey:
         sliding_window=bool(v["sliding_window"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
+        moe_weighted_activation=bool(v["moe_weighted_activation"]),
         hybrid_shard=hybrid,
     )
     recompute = parse_recompute(v["recompute"])
@@ -231,6 +240,7 @@ def config_row(
             "grad_sync_per_step": plan.grad_sync_per_step,
             "ep_dispatch_dedup": plan.ep_dispatch_dedup,
             "fused_elementwise": plan.fused_elementwise,
+            "moe_weighted_activation": plan.moe_weighted_activation,
             "cuda_graphs": plan.cuda_graphs_label,
         }
     )

@@ -104,6 +104,9 @@ class GraphKey:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels; off, as eager PyTorch runs its reference code
     (:mod:`stage_dse.graph.eager`)."""
+    moe_weighted_activation: bool = False
+    """The routing probabilities scale the experts' activation; the combine is an unweighted
+    sum that keeps nothing for backward."""
     hybrid_shard: bool = False
     """ZeRO states are sharded inside groups of data-parallel ranks replicated over the DR
     mesh axis (``plan.dp_replicate > 1``): the batch is split over DR too."""
@@ -111,6 +114,8 @@ class GraphKey:
     def __post_init__(self) -> None:
         if self.grad_sync_per_step and self.zero_stage != 2:  # one family per structure
             object.__setattr__(self, "grad_sync_per_step", False)
+        if self.moe_weighted_activation and not self.moe:
+            object.__setattr__(self, "moe_weighted_activation", False)
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -137,5 +142,6 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
+        moe_weighted_activation=plan.moe_weighted_activation and model.is_moe,
         hybrid_shard=plan.hybrid_shard,
     )

@@ -100,10 +100,13 @@ class ForwardOps(LayoutOps):
         *,
         weights: Tensor | None = None,
         flops_per_elem: int = 0,
+        keep_rows: bool = True,
     ) -> Tensor:
         """Copy rows of ``x`` into a tensor of other axes (token dispatch to experts, or the
         weighted combine back, with ``weights`` the routing probabilities). Local: the layout
-        must keep every mesh axis on the rows' origin."""
+        must keep every mesh axis on the rows' origin. A weighted copy keeps ``x`` and the
+        weights for backward; ``keep_rows=False`` keeps the weights only (the weights'
+        gradient is then formed where ``x`` was made)."""
         out = self.tensor(name, Role.ACTIVATION, axes, layout, x.dtype_bytes)
         assert not x.partial
         inputs = (x,) if weights is None else (x, weights)
@@ -119,7 +122,7 @@ class ForwardOps(LayoutOps):
                 flops=flops_per_elem * out.local_numel,
                 global_flops=flops_per_elem * out.numel,
                 bytes=sum((t.local_bytes for t in inputs), sp.Integer(0)) + out.local_bytes,
-                saved=(() if weights is None else (x, weights)),
+                saved=(() if weights is None else (x, weights) if keep_rows else (weights,)),
             )
         )
         return out

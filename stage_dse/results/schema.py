@@ -58,7 +58,7 @@ BOOL_CONFIG = {
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
-    "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop",
+    "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""
@@ -162,6 +162,7 @@ PLAN_CONFIG = {
 }  # fmt: skip
 _HASHED_APART = (
     "fused_elementwise",
+    "moe_weighted_activation",
     "dp_replicate",
     "offload_layers",
     "host_bandwidth",
@@ -208,6 +209,11 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             if np.any(eager):
                 h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
+        # experts' outputs not kept (absent or false: as before)
+        if "moe_weighted_activation" in source:
+            weighted = np.asarray(source["moe_weighted_activation"], dtype=bool)
+            if np.any(weighted):
+                h = np.where(weighted, _mix(h ^ _stable64("moe_weighted_activation")), h)
         # hybrid sharding's replicas (absent or 1: as before)
         if "dp_replicate" in source:
             replicas = np.nan_to_num(np.asarray(source["dp_replicate"], dtype=float), nan=1.0)

@@ -34,6 +34,7 @@ PLAN_FLAGS = (
     "ep_dispatch_dedup",
     "expert_gemm_loop",
     "fused_elementwise",
+    "moe_weighted_activation",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
 
@@ -70,6 +71,12 @@ class FrameworkSpec:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
     kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""
+    moe_weighted_activation: bool = False
+    """The routing probabilities scale the experts' activation output (a weighted SwiGLU) and
+    the combine sums the experts' outputs unweighted, so those outputs are not kept for
+    backward (Megatron-Core since NVIDIA/Megatron-LM 2659630721, 2025-04, "Memory efficient
+    token permutation": ``weighted_bias_swiglu_impl`` in ``TEGroupedMLP``); off, the combine
+    weights them and keeps them to differentiate the probabilities."""
     compile_fuses_elementwise: bool = False
     """The framework's element-wise kernels come from ``torch.compile`` (torchtitan compiles each
     transformer block when ``training.compile`` is set): a run without it executes them

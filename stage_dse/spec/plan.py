@@ -214,6 +214,11 @@ class ParallelPlan:
     expert_gemm_loop: bool = False
     """A grouped expert GEMM is issued as one GEMM per local expert (Transformer Engine's
     ``GroupedLinear``: a loop of cuBLAS GEMMs over streams); off, as one grouped kernel."""
+    moe_weighted_activation: bool = False
+    """Mixture-of-experts layers apply the routing probabilities inside the experts'
+    activation and combine their outputs unweighted, so the outputs are not kept for
+    backward (Megatron-Core's memory-efficient permutation, 2025-04); off, the combine weights
+    the experts' outputs and keeps them."""
     fused_elementwise: bool = True
     """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
     (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its
@@ -250,6 +255,7 @@ class ParallelPlan:
             "ep_dispatch_dedup",
             "expert_gemm_loop",
             "fused_elementwise",
+            "moe_weighted_activation",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
