@@ -38,6 +38,9 @@ def families():
 
 
 def test_interpreted_and_compiled_families_agree(families, tmp_path, monkeypatch):
+    """The two evaluators round differently (their operation orders differ, and the order of
+    a derived sum's terms can depend on what the process derived before): a few ulp, 1.3e-15
+    relative at most when other test modules ran first (2.4e-16 alone)."""
     monkeypatch.setenv("STAGE_DSE_CACHE", str(tmp_path))
     for key, x in families:
         fast = C._interpreted_family(key, "all")
@@ -45,7 +48,7 @@ def test_interpreted_and_compiled_families_agree(families, tmp_path, monkeypatch
         assert fast.names == built.names
         a, b = fast(x), built(x)
         assert np.array_equal(np.isnan(a), np.isnan(b))
-        assert np.allclose(a, b, rtol=1e-15, atol=0, equal_nan=True)
+        assert np.allclose(a, b, rtol=1e-14, atol=0, equal_nan=True)
 
 
 def test_dag_conversion_equals_symengines_own(families):

@@ -17,7 +17,7 @@ family is compiled when its rows in this process reach ``LLVM_MIN_ROWS``, or whe
 process met it (its program or its code is in the disk cache: families that recur across
 runs are worth compiling, and the code is cached in turn, so from then on a process loads it
 in about a millisecond); otherwise its first process interprets it. Interpreted and compiled
-results agree to within a few ulp (measured at most 2.4e-16 relative).
+results agree to within a few ulp (measured at most 1.3e-15 relative).
 """
 
 from __future__ import annotations
