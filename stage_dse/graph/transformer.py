@@ -200,18 +200,9 @@ class _Builder:
         y_e = g.einsum("experts.down_proj", act, w2, [E, C, H])
         y_e = g.redistribute(y_e, [expert_ranks, slots, ()])  # reduce-scatter over TP (ETP)
         y_d = g.redistribute(y_e, [(), origin, ()])  # all-to-all back over EP (x TP)
-        # the probabilities scale the experts' activation instead (weighted SwiGLU): the
-        # combine keeps no expert outputs, its probability gradient comes from the activation's
-        # backward over the tensors the experts keep anyway (flops counted as before)
-        y = g.permute(
-            "moe_combine",
-            y_d,
-            [Bt, Sq, H],
-            ln2.layout,
-            weights=probs,
-            flops_per_elem=2,
-            keep_rows=not self.k.moe_weighted_activation,
-        )
+        # weighted SwiGLU (moe_weighted_activation): the combine keeps no expert outputs
+        kw = dict(weights=probs, flops_per_elem=2, keep_rows=not self.k.moe_weighted_activation)
+        y = g.permute("moe_combine", y_d, [Bt, Sq, H], ln2.layout, **kw)
         if self.k.shared_experts:  # static shapes: captured with the router (Megatron-Core)
             g.enter_module(Module.ROUTER)
             shared = self.dense_mlp(ln2, DIMS.shared_ffn, prefix="shared_experts.")
