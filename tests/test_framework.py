@@ -275,6 +275,17 @@ def test_eager_element_wise_ops_slow_a_step_and_keep_fused_rows_hashes():
     assert not set(config_hash(eager)) & set(before)
 
 
+def test_the_weighted_moe_activation_changes_only_moe_rows_hashes():
+    """The flag has no effect on a dense model: its rows hash as they did without the column
+    (a resumed dense sweep under megatron_core finds its stored rows); MoE rows hash apart."""
+    dense = _table((load_framework("megatron_core"),))
+    assert dense["moe_weighted_activation"].all()
+    before = config_hash(dense.drop(columns="moe_weighted_activation"))
+    assert list(config_hash(dense)) == list(before)
+    moe = dense.assign(moe=True)
+    assert not set(config_hash(moe)) & set(config_hash(moe.assign(moe_weighted_activation=False)))
+
+
 def test_torchtitan_records_without_torch_compile_run_element_wise_ops_eagerly():
     from stage_dse.validation.corpus import load_corpus
     from stage_dse.validation.training import training_setup

@@ -209,9 +209,11 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             if np.any(eager):
                 h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
-        # experts' outputs not kept (absent or false: as before)
+        # experts' outputs not kept (absent, false or a dense model: as before)
         if "moe_weighted_activation" in source:
             weighted = np.asarray(source["moe_weighted_activation"], dtype=bool)
+            if "moe" in source:
+                weighted = weighted & np.asarray(source["moe"], dtype=bool)
             if np.any(weighted):
                 h = np.where(weighted, _mix(h ^ _stable64("moe_weighted_activation")), h)
         # hybrid sharding's replicas (absent or 1: as before)
