@@ -142,6 +142,6 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         sliding_window=model.has_sliding_window,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
-        moe_weighted_activation=plan.moe_weighted_activation and model.is_moe,
+        moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,
     )
