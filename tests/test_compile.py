@@ -116,3 +116,50 @@ def test_a_family_met_by_an_earlier_process_is_loaded_and_compiled(families, tmp
     assert later.backend == "symengine"
     assert len(list(tmp_path.glob("family-*.pkl"))) == 1
     np.testing.assert_allclose(later(x), derived, rtol=1e-14, equal_nan=True)
+
+
+_TABLE_IN_A_FRESH_PROCESS = """
+import sys
+from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.cost.bind import evaluate_plan
+from stage_dse.cost.table import evaluate_columns
+from stage_dse.search import SearchSpace, enumerate_plans
+from stage_dse.spec import ParallelPlan, TrainingSpec
+
+model, training = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=256)
+hardware, cluster = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=64)
+space = SearchSpace(tp=(2,), pp=(1,), zero_stage=(1,), recompute=("selective",),
+                    sequence_parallel=(True,), micro_batch_size=(1, 2))
+names, y = evaluate_columns(enumerate_plans(model, training, hardware, cluster, space).columns)
+plan = ParallelPlan(dp=32, tp=2, sequence_parallel=True, zero_stage=1, recompute="selective")
+step_s = evaluate_plan(model, training, plan, hardware=hardware, cluster=cluster)["step_s"]
+print(len(y), step_s, "sympy" in sys.modules, "stage_dse.graph.core" in sys.modules)
+"""
+
+
+def test_a_process_that_meets_only_compiled_families_derives_nothing(tmp_path):
+    """A process whose families an earlier one compiled (the disk cache holds their code)
+    evaluates a table and a single plan without importing sympy or the graph builders, and
+    gets the numbers the deriving process got."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, STAGE_DSE_CACHE=str(tmp_path), STAGE_DSE_LLVM_MIN_ROWS="0")
+
+    def run() -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _TABLE_IN_A_FRESH_PROCESS],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    first, later = run(), run()
+    assert first[:2] == later[:2]  # rows, step seconds
+    assert first[2:] == ["True", "True"]  # the first process derived the families
+    assert later[2:] == ["False", "False"]

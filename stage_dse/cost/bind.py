@@ -14,7 +14,7 @@ import numpy as np
 
 from stage_dse.cost.columns import named_outputs
 from stage_dse.cost.compile import SYMBOL_NAMES, family_for
-from stage_dse.cost.derive import cost_key
+from stage_dse.cost.key import cost_key
 from stage_dse.errors import ConfigError
 from stage_dse.graph.symbols import HARDWARE_SYMBOLS
 from stage_dse.spec import (

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.derive import EMBEDDING_GROUP
+from stage_dse.cost.key import EMBEDDING_GROUP
 
 __all__ = [
     "COMM_COLUMNS",

@@ -29,15 +29,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import sympy as sp
 
-from stage_dse.cost.derive import CostKey, derive
-from stage_dse.cost.time import Kernel, derive_measured_time, derive_time
+from stage_dse.cost.key import CostKey
 from stage_dse.diskcache import cache_dir, load_pickle, store_pickle
 from stage_dse.graph.symbols import Symbols
-from stage_dse.graph.transformer import _build
+
+if TYPE_CHECKING:
+    import sympy as sp
+
+    from stage_dse.cost.time import Kernel
 
 __all__ = [
     "SYMBOL_NAMES",
@@ -49,9 +52,10 @@ __all__ = [
     "family_program",
 ]
 
-SYMBOL_NAMES: tuple[str, ...] = tuple(Symbols.all())
-"""Input columns of every compiled family, in order."""
-_SYMBOLS = tuple(Symbols.all().values())
+SYMBOL_NAMES: tuple[str, ...] = Symbols.names()
+"""Input columns of every compiled family, in order (known without sympy: evaluating a family
+compiled by an earlier process derives nothing, and this module imports sympy and the
+derivation only where a family is derived)."""
 
 try:  # optional fast path
     import symengine as _se
@@ -64,6 +68,10 @@ def family_program(
 ) -> tuple[list[tuple[sp.Symbol, sp.Expr]], dict[str, sp.Expr]]:
     """Definitions and named outputs of every cost of one family, time included. ``measured``:
     the time of each measurable kernel is an input symbol (:func:`family_kernels`)."""
+    from stage_dse.cost.derive import derive
+    from stage_dse.cost.time import derive_measured_time, derive_time
+    from stage_dse.graph.transformer import _build
+
     _build(key.graph)
     costs = derive(key).all()
     defs, time_out = derive_measured_time(key)[0] if measured else derive_time(key)
@@ -77,10 +85,14 @@ def family_program(
 
 def family_kernels(key: CostKey) -> tuple[Kernel, ...]:
     """The measurable kernels of one family, in the order of their time inputs."""
+    from stage_dse.cost.time import derive_measured_time
+
     return tuple(k for k, _ in derive_measured_time(key)[1])
 
 
 def _kernel_symbols(key: CostKey) -> tuple[sp.Symbol, ...]:
+    from stage_dse.cost.time import derive_measured_time
+
     return tuple(sym for _, sym in derive_measured_time(key)[1])
 
 
@@ -312,7 +324,7 @@ def _wrap(f, n_out: int):
 
 
 def _se_args(key: CostKey | None = None, subset: str = "all") -> list:
-    names = [s.name for s in _SYMBOLS]
+    names = list(SYMBOL_NAMES)
     if subset == "measured" and key is not None:
         names += [s.name for s in _kernel_symbols(key)]
     return [_se.Symbol(n) for n in names]
@@ -370,6 +382,8 @@ def _se_convert(expr: sp.Basic):
 @lru_cache(maxsize=1)
 def _se_kinds() -> dict:
     """sympy node type -> symengine constructor of the same node from converted arguments."""
+    import sympy as sp
+
     se = _se
     return {
         sp.Add: se.Add,
@@ -399,8 +413,10 @@ def _lambdify_symengine(outs: list, args: list | None = None):
 def _compile_numpy(
     defs: Sequence[tuple[sp.Symbol, sp.Expr]], exprs: Sequence[sp.Expr], extra: Sequence = ()
 ):
+    import sympy as sp
+
     steps = []
-    known = [*_SYMBOLS, *extra]
+    known = [*Symbols.all().values(), *extra]
     for sym, expr in defs:
         steps.append(sp.lambdify(known, expr, modules="numpy"))
         known.append(sym)
@@ -448,8 +464,10 @@ def compile_expressions(
         args = _se_args() + [_se.Symbol(s.name) for s in extra]
         fn = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
         return _wrap(fn, len(outs))
+    import sympy as sp
+
     exprs = list(exprs() if callable(exprs) else exprs)
-    final = sp.lambdify([*_SYMBOLS, *extra], exprs, modules="numpy", cse=True)
+    final = sp.lambdify([*Symbols.all().values(), *extra], exprs, modules="numpy", cse=True)
 
     def run(x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)

@@ -35,6 +35,7 @@ from functools import lru_cache
 import sympy as sp
 
 from stage_dse.cost.expr import _max, _min, _sum
+from stage_dse.cost.key import EMBEDDING_GROUP, CostKey, cost_key, group_label
 from stage_dse.cost.recompute import (
     _is_block,
     kept_activations,
@@ -45,7 +46,7 @@ from stage_dse.graph.core import Graph
 from stage_dse.graph.ir import CollKind, Frequency, OpKind, Phase, Tensor
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
-from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
+from stage_dse.graph.transformer import DIMS, ModelGraphs, build_graphs
 from stage_dse.spec import (
     MeshAxis,
     ModelSpec,
@@ -60,28 +61,13 @@ __all__ = [
     "CostKey",
     "SectionCosts",
     "TrainingCosts",
+    "cost_key",
     "derive",
     "embedding_sync_bytes",
     "group_label",
     "kept_activations",
     "training_costs",
 ]
-
-MESH_ORDER = (
-    MeshAxis.TP,
-    MeshAxis.CP,
-    MeshAxis.EP,
-    MeshAxis.DP,
-    MeshAxis.DS,
-    MeshAxis.DR,
-    MeshAxis.PP,
-)
-"""The mesh axes in the default rank order (hybrid sharding's DS and DR in DP's place)."""
-
-
-EMBEDDING_GROUP = "embedding"
-"""Label of the embedding group (Megatron-LM): the first and the last pipeline stage of each
-pipeline, which hold the two copies of tied word embeddings."""
 
 
 def embedding_sync_bytes(graphs: ModelGraphs, grad_bytes: int) -> sp.Expr:
@@ -92,12 +78,6 @@ def embedding_sync_bytes(graphs: ModelGraphs, grad_bytes: int) -> sp.Expr:
     if tied is None:
         return sp.Integer(0)
     return (1 - _is_one(S.pp)) * graphs.head.computed(tied).local_numel * grad_bytes
-
-
-def group_label(group: Iterable[MeshAxis]) -> str:
-    """Canonical name of a communicator group kind, e.g. ``tp`` or ``cp-ep-dp``."""
-    members = set(group)
-    return "-".join(m.value for m in MESH_ORDER if m in members)
 
 
 def group_degree(group: Iterable[MeshAxis]) -> sp.Expr:
@@ -236,48 +216,6 @@ def section_costs(
 
 
 # --------------------------------------------------------------------------- whole model
-@dataclass(frozen=True)
-class CostKey:
-    """The structural choices of a plan family: one set of expressions per key."""
-
-    graph: GraphKey
-    recompute: Recompute
-    schedule: PipelineSchedule
-    recompute_modules: tuple[str, ...] = ()
-    rank_order: tuple[MeshAxis, ...] = (
-        MeshAxis.TP,
-        MeshAxis.CP,
-        MeshAxis.EP,
-        MeshAxis.DP,
-        MeshAxis.PP,
-    )
-    """The mesh axes, fastest-varying first (:attr:`ParallelPlan.mesh_order`)."""
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    tp_comm_overlap: bool = False
-    tp_dgrad_overlap: bool = True
-    ep_comm_overlap: bool = False
-    zero_sync_per_tensor: bool = False
-    ep_dispatch_dedup: bool = False
-
-
-def cost_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> CostKey:
-    return CostKey(
-        graph=graph_key(model, plan, training),
-        recompute=plan.recompute,
-        schedule=plan.schedule,
-        recompute_modules=plan.recompute_modules,
-        rank_order=plan.mesh_order,
-        overlap_grad_reduce=plan.overlap_grad_reduce,
-        overlap_param_gather=plan.overlap_param_gather,
-        tp_comm_overlap=plan.tp_comm_overlap,
-        tp_dgrad_overlap=plan.tp_dgrad_overlap,
-        ep_comm_overlap=plan.ep_comm_overlap,
-        zero_sync_per_tensor=plan.zero_sync_per_tensor,
-        ep_dispatch_dedup=plan.ep_dispatch_dedup,
-    )
-
-
 @dataclass(frozen=True)
 class TrainingCosts:
     """Named expressions of one training step; every dict has a ``total`` where it sums."""

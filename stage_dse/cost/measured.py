@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from stage_dse.cost.compile import family_for, family_kernels
-from stage_dse.cost.derive import CostKey
+from stage_dse.cost.key import CostKey
 
 __all__ = ["MeasuredFamily"]
 

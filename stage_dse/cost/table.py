@@ -23,9 +23,9 @@ import pandas as pd
 from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
 from stage_dse.cost.columns import cost_columns
 from stage_dse.cost.compile import SYMBOL_NAMES, family_for
-from stage_dse.cost.derive import CostKey
+from stage_dse.cost.key import CostKey
 from stage_dse.cost.measured import MeasuredFamily
-from stage_dse.graph.transformer import GraphKey
+from stage_dse.graph.key import GraphKey
 from stage_dse.spec import (
     AttentionKernel,
     ClusterSpec,

@@ -4,43 +4,47 @@
 collectives a layout change needs; ``forward`` holds one builder per op kind and ``backward`` one
 rule per op kind (a table keyed by ``OpKind``); ``core`` is the ``Graph`` of one model section
 (parameters, forward, backward, optimizer step); ``transformer`` builds the dense, MoE and
-serving sections of a model; ``symbols`` names the sympy symbols.
+serving sections of a model; ``symbols`` names the sympy symbols; ``key`` is the structural key
+of a graph.
+
+The names below load their module on first use: importing the package (or its sympy-free
+``key`` and ``symbols``) does not import sympy.
 """
 
-from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import (
-    Axis,
-    CollKind,
-    Frequency,
-    Op,
-    OpKind,
-    Phase,
-    Region,
-    Role,
-    Scope,
-    Tensor,
-)
-from stage_dse.graph.symbols import DEGREE, S, Symbols
-from stage_dse.graph.transformer import DIMS, GraphKey, ModelGraphs, build_graphs, graph_key
+from importlib import import_module
 
-__all__ = [
-    "DEGREE",
-    "DIMS",
-    "Axis",
-    "CollKind",
-    "Frequency",
-    "Graph",
-    "GraphKey",
-    "ModelGraphs",
-    "Op",
-    "OpKind",
-    "Phase",
-    "Region",
-    "Role",
-    "S",
-    "Scope",
-    "Symbols",
-    "Tensor",
-    "build_graphs",
-    "graph_key",
-]
+_HOME = {
+    "Graph": "core",
+    "Axis": "ir",
+    "CollKind": "ir",
+    "Frequency": "ir",
+    "Op": "ir",
+    "OpKind": "ir",
+    "Phase": "ir",
+    "Region": "ir",
+    "Role": "ir",
+    "Scope": "ir",
+    "Tensor": "ir",
+    "DEGREE": "symbols",
+    "S": "symbols",
+    "Symbols": "symbols",
+    "DIMS": "dims",
+    "GraphKey": "key",
+    "graph_key": "key",
+    "ModelGraphs": "transformer",
+    "build_graphs": "transformer",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -3,27 +3,59 @@
 Model dimensions and parallel degrees are positive integer symbols, so one derived expression
 serves every model of a family and every plan; binding happens only when costs are evaluated
 (vectorized, by :mod:`stage_dse.cost.compile`).
+
+The symbols are declared here without importing sympy: an attribute of :class:`Symbols`
+becomes its sympy symbol on first use, and :meth:`Symbols.names` lists them without sympy, so
+a process that only evaluates families compiled earlier (names, no expressions) never imports
+it (sympy is about a third of a fresh process's import time).
 """
 
 from __future__ import annotations
 
-import sympy as sp
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from stage_dse.spec.plan import MeshAxis
+
+if TYPE_CHECKING:
+    import sympy as sp
 
 __all__ = ["DEGREE", "HARDWARE_SYMBOLS", "S", "Symbols"]
 
 
-def _sym(name: str) -> sp.Symbol:
-    return sp.Symbol(name, positive=True, integer=True)
+class _Declared:
+    """A symbol's name and assumptions; read through the class, the sympy symbol (made once)."""
+
+    __slots__ = ("assumptions", "name", "symbol")
+
+    def __init__(self, name: str, **assumptions: bool) -> None:
+        self.name = name
+        self.assumptions = assumptions
+        self.symbol = None
+
+    def __get__(self, obj: object, owner: type) -> sp.Symbol:
+        symbol = self.symbol
+        if symbol is None:
+            import sympy
+
+            symbol = self.symbol = sympy.Symbol(self.name, **self.assumptions)
+        return symbol
 
 
-def _real(name: str) -> sp.Symbol:
-    return sp.Symbol(name, positive=True)
+def _sym(name: str) -> _Declared:
+    return _Declared(name, positive=True, integer=True)
 
 
-def _count(name: str) -> sp.Symbol:
-    return sp.Symbol(name, integer=True, nonnegative=True)
+def _real(name: str) -> _Declared:
+    return _Declared(name, positive=True)
+
+
+def _count(name: str) -> _Declared:
+    return _Declared(name, integer=True, nonnegative=True)
+
+
+def _nonneg(name: str) -> _Declared:
+    return _Declared(name, nonnegative=True)
 
 
 class Symbols:
@@ -125,15 +157,15 @@ class Symbols:
     chunk; 1 for every layer, and where full recompute is not chosen)."""
     # hardware (HardwareSpec), base units
     peak_flops = _real("peak_flops")
-    peak_fp8_flops = sp.Symbol("peak_fp8_flops", nonnegative=True)
-    peak_fp4_flops = sp.Symbol("peak_fp4_flops", nonnegative=True)
+    peak_fp8_flops = _nonneg("peak_fp8_flops")
+    peak_fp4_flops = _nonneg("peak_fp4_flops")
     sustained_clock = _real("sustained_clock")
     measured_efficiency = _real("measured_efficiency")
     hbm_bandwidth = _real("hbm_bandwidth")
     host_bandwidth = _real("host_bandwidth")
     """GPU-host link, bytes/s per GPU and direction (activation offload)."""
     rowwise_gemm_speed = _real("rowwise_gemm_speed")
-    mxfp8_gemm_speed = sp.Symbol("mxfp8_gemm_speed", nonnegative=True)
+    mxfp8_gemm_speed = _nonneg("mxfp8_gemm_speed")
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
@@ -143,13 +175,13 @@ class Symbols:
     attention_efficiency = _real("attention_efficiency")
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
-    host_op_s = sp.Symbol("host_op_s", nonnegative=True)
+    host_op_s = _nonneg("host_op_s")
     """Host seconds to issue one op eagerly (framework dispatch and kernel launch)."""
-    overlap_slowdown = sp.Symbol("overlap_slowdown", nonnegative=True)
-    gemm_floor_s = sp.Symbol("gemm_floor_s", nonnegative=True)
-    attention_floor_s = sp.Symbol("attention_floor_s", nonnegative=True)
-    elementwise_floor_s = sp.Symbol("elementwise_floor_s", nonnegative=True)
-    moe_layer_latency_s = sp.Symbol("moe_layer_latency_s", nonnegative=True)
+    overlap_slowdown = _nonneg("overlap_slowdown")
+    gemm_floor_s = _nonneg("gemm_floor_s")
+    attention_floor_s = _nonneg("attention_floor_s")
+    elementwise_floor_s = _nonneg("elementwise_floor_s")
+    moe_layer_latency_s = _nonneg("moe_layer_latency_s")
     usable_memory = _real("usable_memory")
     # cluster (ClusterSpec), base units
     gpus_per_node = _sym("gpus_per_node")
@@ -157,22 +189,27 @@ class Symbols:
     inter_bandwidth = _real("inter_bandwidth")
     intra_latency = _real("intra_latency")
     inter_latency = _real("inter_latency")
-    collective_base_latency = sp.Symbol("collective_base_latency", nonnegative=True)
-    oneshot_latency = sp.Symbol("oneshot_latency", nonnegative=True)
+    collective_base_latency = _nonneg("collective_base_latency")
+    oneshot_latency = _nonneg("oneshot_latency")
     """One-shot all-reduce latency (0 where the cluster has none)."""
-    ll_intra_latency = sp.Symbol("ll_intra_latency", nonnegative=True)
+    ll_intra_latency = _nonneg("ll_intra_latency")
     """Low-latency protocol, per step inside a domain (the bandwidth protocol's where the
     cluster has none)."""
-    ll_inter_latency = sp.Symbol("ll_inter_latency", nonnegative=True)
-    ll_base_latency = sp.Symbol("ll_base_latency", nonnegative=True)
+    ll_inter_latency = _nonneg("ll_inter_latency")
+    ll_base_latency = _nonneg("ll_base_latency")
     intra_efficiency = _real("intra_efficiency")
     inter_efficiency = _real("inter_efficiency")
     pod_gpus = _sym("pod_gpus")
     oversubscription = _real("oversubscription")
 
     @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every symbol's name, in declaration order (no sympy needed)."""
+        return tuple(k for k, v in vars(cls).items() if isinstance(v, _Declared))
+
+    @classmethod
     def all(cls) -> dict[str, sp.Symbol]:
-        return {k: v for k, v in vars(cls).items() if isinstance(v, sp.Symbol)}
+        return {k: getattr(cls, k) for k in cls.names()}
 
 
 S = Symbols
@@ -221,19 +258,42 @@ HARDWARE_SYMBOLS = (
 """Symbols bound from ``HardwareSpec`` and ``ClusterSpec`` (all others come from the model,
 training step and plan)."""
 
-DEGREE: dict[MeshAxis, sp.Expr] = {
-    # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis holds the
-    # dp / ep_data replicas of each expert shard, so DP x EP spans all dp data-parallel ranks
-    # (ep_data = ep, or ep / tp when the expert group also spans the tensor-parallel ranks);
-    # under hybrid sharding DS x EP is one sharding group and DR its dp_replicate replicas,
-    # in DP's place
-    MeshAxis.DP: S.dp / S.ep_data,
-    MeshAxis.DS: S.dp / (S.ep_data * S.dp_replicate),
-    MeshAxis.DR: S.dp_replicate,
-    MeshAxis.TP: S.tp,
-    MeshAxis.PP: S.pp,
-    MeshAxis.CP: S.cp,
-    MeshAxis.EP: S.ep_data,
-}
+
+class _Degrees(Mapping):
+    """The size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep_data`` and
+    ``dp_replicate`` factors of it): sympy expressions, built on first use."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[MeshAxis, sp.Expr] | None = None
+
+    def _built(self) -> dict[MeshAxis, sp.Expr]:
+        if self._sizes is None:
+            # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis
+            # holds the dp / ep_data replicas of each expert shard, so DP x EP spans all dp
+            # data-parallel ranks (ep_data = ep, or ep / tp when the expert group also spans
+            # the tensor-parallel ranks); under hybrid sharding DS x EP is one sharding group
+            # and DR its dp_replicate replicas, in DP's place
+            self._sizes = {
+                MeshAxis.DP: S.dp / S.ep_data,
+                MeshAxis.DS: S.dp / (S.ep_data * S.dp_replicate),
+                MeshAxis.DR: S.dp_replicate,
+                MeshAxis.TP: S.tp,
+                MeshAxis.PP: S.pp,
+                MeshAxis.CP: S.cp,
+                MeshAxis.EP: S.ep_data,
+            }
+        return self._sizes
+
+    def __getitem__(self, axis: MeshAxis) -> sp.Expr:
+        return self._built()[axis]
+
+    def __iter__(self) -> Iterator[MeshAxis]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+
+DEGREE: Mapping[MeshAxis, sp.Expr] = _Degrees()
 """Size of each mesh axis (``dp`` is the whole data-parallel degree, ``ep_data`` and
 ``dp_replicate`` factors of it)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from stage_dse.cost.compile import compile_family
-from stage_dse.cost.derive import CostKey
+from stage_dse.cost.key import CostKey
 from stage_dse.runner.ray_join import (
     CONNECT_TIMEOUT_S,
     _host_port,

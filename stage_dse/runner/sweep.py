@@ -104,7 +104,7 @@ def family_keys(spec: SweepSpec) -> list:
     """The compiled families a sweep can need (structure of models x plan space)."""
     from itertools import product
 
-    from stage_dse.cost.derive import cost_key
+    from stage_dse.cost.key import cost_key
     from stage_dse.spec import ParallelPlan
 
     sp = spec.space

@@ -18,7 +18,7 @@ from pathlib import Path
 from stage_dse import __version__
 from stage_dse.cost.bind import evaluate_plan
 from stage_dse.cost.compile import LLVM_MIN_ROWS, family_for
-from stage_dse.cost.derive import cost_key
+from stage_dse.cost.key import cost_key
 from stage_dse.errors import ConfigError
 from stage_dse.spec import MeshAxis
 from stage_dse.trace import encode as enc
