@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from stage_dse.cost.key import EMBEDDING_GROUP
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "COMM_COLUMNS",
@@ -124,6 +127,8 @@ def cost_arrays(names: list[str], out: np.ndarray) -> dict[str, np.ndarray]:
 
 def cost_columns(costs: pd.DataFrame) -> pd.DataFrame:
     """Result cost columns from the evaluator's output columns."""
+    import pandas as pd
+
     arrays = cost_arrays(list(costs.columns), costs.to_numpy(dtype=np.float64))
     return pd.DataFrame(arrays, index=costs.index)
 

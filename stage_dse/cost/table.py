@@ -16,14 +16,15 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from functools import lru_cache
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from stage_dse.cost.bind import bind, bind_hardware, check_fits_cluster
 from stage_dse.cost.columns import cost_columns
 from stage_dse.cost.compile import SYMBOL_NAMES, family_for
 from stage_dse.cost.key import CostKey
+from stage_dse.cost.labels import Labels
 from stage_dse.cost.measured import MeasuredFamily
 from stage_dse.graph.key import GraphKey
 from stage_dse.spec import (
@@ -43,6 +44,9 @@ from stage_dse.spec import (
     parse_recompute,
     validate_plan,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "KEY_COLUMNS",
@@ -254,14 +258,16 @@ def plans_table(
     hardware: HardwareSpec,
     cluster: ClusterSpec,
 ) -> pd.DataFrame:
+    import pandas as pd
+
     return pd.DataFrame([plan_row(model, training, p, hardware, cluster) for p in plans])
 
 
 class PlanColumns:
     """A plan table kept as columns: a column is either one value for every row (a constant,
     e.g. the model's hidden size) or an array of ``rows`` values (a numpy array, or a
-    :class:`pandas.Categorical` for text). Sweeps evaluate these without building a DataFrame;
-    :meth:`frame` gives the equivalent plan table."""
+    :class:`~stage_dse.cost.labels.Labels` for text). Sweeps evaluate these without building a
+    DataFrame (nor importing pandas); :meth:`frame` gives the equivalent plan table."""
 
     def __init__(self, rows: int, columns: dict[str, object]) -> None:
         self.rows = rows
@@ -274,15 +280,15 @@ class PlanColumns:
         return name in self.columns
 
     def is_constant(self, name: str) -> bool:
-        return not isinstance(self.columns[name], np.ndarray | pd.Categorical)
+        return not isinstance(self.columns[name], np.ndarray | Labels)
 
-    def array(self, name: str) -> np.ndarray | pd.Categorical:
+    def array(self, name: str) -> np.ndarray | Labels:
         """A column with one value per row."""
         v = self.columns[name]
         if not self.is_constant(name):
             return v
         if isinstance(v, str):
-            return pd.Categorical.from_codes(np.zeros(self.rows, dtype=np.int8), categories=[v])
+            return Labels(np.zeros(self.rows, dtype=np.int8), [v])
         return np.full(self.rows, v)
 
     def take(self, index: np.ndarray) -> PlanColumns:
@@ -295,7 +301,12 @@ class PlanColumns:
         return PlanColumns(rows, cols)
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame({k: self.array(k) for k in self.columns})
+        import pandas as pd
+
+        columns = {k: self.array(k) for k in self.columns}
+        return pd.DataFrame(
+            {k: v.to_pandas() if isinstance(v, Labels) else v for k, v in columns.items()}
+        )
 
     def family_runs(self) -> list[tuple[dict, int, int]]:
         """Maximal runs of rows sharing the structural columns: (their values, start, stop)."""
@@ -307,8 +318,8 @@ class PlanColumns:
             if self.is_constant(col):
                 constant[col] = v
                 continue
-            if isinstance(v, pd.Categorical):
-                varying.append((col, v.codes, list(v.categories)))
+            if isinstance(v, Labels):
+                varying.append((col, v.codes, v.categories))
                 v = v.codes
             else:
                 varying.append((col, v, None))
@@ -511,6 +522,8 @@ def evaluate_table(
     Output columns are the union over the families present; a communication column a family
     does not have (no such collective in its graph) is 0 bytes.
     """
+    import pandas as pd
+
     missing = [c for c in (*SYMBOL_NAMES, *KEY_COLUMNS) if c not in table.columns]
     if missing:
         raise KeyError(f"plan table lacks columns: {', '.join(missing)}")
@@ -535,6 +548,8 @@ def evaluate_table(
 def _factorize(column: pd.Series) -> tuple[np.ndarray, list]:
     """Integer codes of a key column and the values they stand for: a categorical's own codes,
     a boolean's 0/1, else ``pandas.factorize`` (the first two cost nothing to compute)."""
+    import pandas as pd
+
     if isinstance(column.dtype, pd.CategoricalDtype) and not column.hasnans:
         return column.cat.codes.to_numpy(dtype=np.int64), list(column.cat.categories)
     if column.dtype == np.bool_:
@@ -553,6 +568,8 @@ def _symbol_column(column: pd.Series) -> np.ndarray:
 
 
 def _evaluate(table: pd.DataFrame, make) -> pd.DataFrame:
+    import pandas as pd
+
     codes = np.zeros(len(table), dtype=np.int64)
     factors: list[tuple[np.ndarray, list]] = []
     for col in KEY_COLUMNS:

@@ -21,6 +21,7 @@ from stage_dse.cost.columns import (
     cost_columns,
 )
 from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
+from stage_dse.cost.labels import Labels
 from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
 from stage_dse.spec.hardware import HardwareSpec
 from stage_dse.spec.stages import STAGE_SYMBOLS
@@ -188,7 +189,11 @@ def _hash_input(col: object, text: bool) -> np.uint64 | np.ndarray:
     if text:
         if isinstance(col, str):
             return _stable64(col)
-        cat = col if isinstance(col, pd.Categorical) else pd.Categorical(np.asarray(col, str))
+        cat = (
+            col
+            if isinstance(col, Labels | pd.Categorical)
+            else pd.Categorical(np.asarray(col, str))
+        )
         lut = np.array([_stable64(str(v)) for v in cat.categories], dtype=np.uint64)
         return lut[cat.codes]
     if isinstance(col, np.ndarray):

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from stage_dse import __version__
 from stage_dse.cost.columns import SERVING_COLUMNS, cost_arrays, cost_columns
+from stage_dse.cost.labels import Labels
 from stage_dse.cost.table import PlanColumns, evaluate_columns, evaluate_table
 from stage_dse.results.schema import (
     CONFIG_COLUMNS,
@@ -228,7 +229,7 @@ def _config_column(plans: PlanColumns, name: str, field: pa.Field) -> pa.Array:
     value = plans.columns[name]
     n = len(plans)
     if pa.types.is_dictionary(field.type):
-        if isinstance(value, pd.Categorical):
+        if isinstance(value, Labels | pd.Categorical):
             return _dictionary(value.codes, [str(c) for c in value.categories])
         if isinstance(value, np.ndarray):
             cat = pd.Categorical(value.astype(str))

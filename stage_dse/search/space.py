@@ -16,11 +16,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from stage_dse.cost.bind import bind_hardware, cuda_graph_values, model_values, recompute_share
+from stage_dse.cost.labels import Labels
 from stage_dse.cost.table import PlanColumns, model_columns
 from stage_dse.errors import ConfigError
 from stage_dse.spec import (
@@ -33,6 +34,9 @@ from stage_dse.spec.framework import PLAN_FLAGS
 from stage_dse.spec.plan import check_recompute_modules, parse_cuda_graphs, parse_recompute
 from stage_dse.spec.stages import STAGE_SYMBOLS, stage_values
 from stage_dse.spec.sweep import SearchSpace, divisors
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["Enumeration", "PlanGrid", "SearchSpace", "divisors", "enumerate_plans", "plan_grid"]
 
@@ -80,6 +84,8 @@ class Enumeration:
     @cached_property
     def table(self) -> pd.DataFrame:
         """Valid plans as a plan table (see :mod:`stage_dse.cost.table`)."""
+        import pandas as pd
+
         return pd.DataFrame() if self.columns is None else self.columns.frame()
 
 
@@ -137,8 +143,8 @@ class PlanGrid:
         def values(name: str, dtype=np.int64) -> np.ndarray:
             return np.asarray(axes[name], dtype=dtype)[at[name]]
 
-        def labels(name: str) -> pd.Categorical:
-            return pd.Categorical.from_codes(at[name], categories=axes[name])
+        def labels(name: str) -> Labels:
+            return Labels(at[name], axes[name])
 
         t_tp, t_pp, t_cp = (tri[at["triple"], j] for j in range(3))
         v_sel = values("virtual_stages")
@@ -184,9 +190,7 @@ class PlanGrid:
             "zero_stage": values("zero_stage"),
             "recompute": labels("recompute"),
             "attention": labels("attention"),
-            "schedule": pd.Categorical.from_codes(
-                (v_sel > 1).astype(np.int8), categories=["1f1b", "interleaved"]
-            ),
+            "schedule": Labels((v_sel > 1).astype(np.int8), ["1f1b", "interleaved"]),
             "rank_order": labels("rank_order"),
         }
         return PlanColumns(len(at["triple"]), columns)
@@ -207,9 +211,7 @@ class PlanGrid:
         }
         if len(frameworks) == 1:
             return {"framework": frameworks[0].name, **{k: v[0] for k, v in table.items()}}
-        out: dict[str, object] = {
-            "framework": pd.Categorical.from_codes(at, categories=[f.name for f in frameworks])
-        }
+        out: dict[str, object] = {"framework": Labels(at, [f.name for f in frameworks])}
         for name, values in table.items():
             column = np.asarray(values)[at]
             out[name] = column if len(set(values)) > 1 else values[0]
