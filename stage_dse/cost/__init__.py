@@ -4,7 +4,7 @@ The names below load their module on first use, so a process that evaluates fami
 earlier (``cost.table``, ``cost.bind``) imports neither sympy nor the graph builders.
 """
 
-from importlib import import_module
+from stage_dse.lazy import lazy_names
 
 _HOME = {
     "CostKey": "key",
@@ -18,14 +18,4 @@ _HOME = {
 
 __all__ = sorted(_HOME)
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME))
+__getattr__, __dir__ = lazy_names(__name__, _HOME, globals())

@@ -11,7 +11,7 @@ The names below load their module on first use: importing the package (or its sy
 ``key`` and ``symbols``) does not import sympy.
 """
 
-from importlib import import_module
+from stage_dse.lazy import lazy_names
 
 _HOME = {
     "Graph": "core",
@@ -37,14 +37,4 @@ _HOME = {
 
 __all__ = sorted(_HOME)
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME))
+__getattr__, __dir__ = lazy_names(__name__, _HOME, globals())
