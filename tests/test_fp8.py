@@ -164,3 +164,42 @@ def test_fp8_gemms_saturate_at_larger_shapes_than_bf16_ones():
         assert d == 2048
         expected = num(fc1.flops) / (peak * H100.sustained_clock * eff * d / (d + half))
         assert num(_gemm_time(fc1)[0]) == pytest.approx(expected + H100.kernel_launch_s)
+
+
+def test_fp8_gemms_in_a_training_step_run_at_the_step_share_of_their_efficiency():
+    """``fp8_step_efficiency`` scales the FP8 GEMMs of a training step (per-tensor and MXFP8
+    alike) and nothing else: a compute-bound FP8 GEMM takes 1 / share of its time, bf16
+    GEMMs and attention keep theirs, and a serving row of the same part binds 1 (engine
+    iterations run as the kernel tables time them)."""
+    import math
+
+    from stage_dse.config import load_model
+    from stage_dse.cost.kernel_time import _gemm_time
+    from stage_dse.cost.serving import evaluate_serving_table
+    from stage_dse.runner.serving import serving_row
+    from stage_dse.spec.serving import ServingSpec
+
+    share = 0.8
+    b200 = load_hardware("b200")
+    slow = dataclasses.replace(b200, fp8_step_efficiency=share)
+    model = gpt(layers=2, hidden=8192, heads=64)
+    plan = ParallelPlan(dp=1, micro_batch_size=4)
+    cl = load_cluster("hgx_b200", num_gpus=1)
+    for gemm, ratio in (("fp8", 1 / share), ("bf16", 1.0)):
+        graph = build_graphs(model, plan, training(gemm)).block
+        fc1 = next(op for op in graph.ops if op.name == "fc1" and op.kind is OpKind.EINSUM)
+        times = []
+        for hw in (b200, slow):
+            values = {**bind(model, training(gemm), plan), **bind_hardware(hw, cl)}
+            subs = {Symbols.all()[k]: v for k, v in values.items()}
+            times.append(float(_gemm_time(fc1)[0].xreplace(subs)) - hw.kernel_launch_s)
+        assert times[1] / times[0] == pytest.approx(ratio, rel=1e-12)
+    serving = ServingSpec(prompt_len=2048, output_tokens=128, batch_size=8, weights_dtype="fp8")
+    out = []
+    for hw in (b200, slow):
+        row, key = serving_row(load_model("llama3_8b"), serving, hw, cl, 1)
+        assert row["fp8_step_efficiency"] == 1.0
+        out.append(evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0])
+    assert math.isclose(out[0]["serve_tpot_s"], out[1]["serve_tpot_s"], rel_tol=1e-15)
+    with pytest.raises(ConfigError, match="fp8_step_efficiency"):
+        dataclasses.replace(b200, fp8_step_efficiency=1.5)

@@ -102,6 +102,8 @@ class HardwareConf:
     gemm_efficiency: float = 0.75
     fp8_gemm_efficiency: float = 0.0
     """Large FP8 GEMMs' fraction of the FP8 peak (0: 0.8 x gemm_efficiency)."""
+    fp8_step_efficiency: float = 1.0
+    """Training: share of fp8_gemm_efficiency FP8 GEMMs reach inside a step (serving keeps 1)."""
     fp4_gemm_efficiency: float = 0.0
     """Large FP4 GEMMs' fraction of the FP4 peak (0: 0.6 x gemm_efficiency)."""
     gemm_half_dim: float = 128.0

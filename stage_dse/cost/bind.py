@@ -151,6 +151,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "mxfp8_gemm_speed": hardware.mxfp8_gemm_speed,
         "gemm_efficiency": hardware.gemm_efficiency,
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,
+        "fp8_step_efficiency": hardware.fp8_step_efficiency,
         "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,
         "gemm_half_dim": hardware.gemm_half_dim,
         "fp8_gemm_half_dim": hardware.fp8_gemm_half_dim,

@@ -242,7 +242,8 @@ def _gemm_time(
     if is_linear(op):  # the tensor cores of the GEMM inputs' precision (gemm_bytes)
         w16, w8, w4 = gemm_precision_weights(op)
         peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
-        eff = w16 * S.gemm_efficiency + w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
+        fp8_eff = S.fp8_gemm_efficiency * S.fp8_step_efficiency  # serving binds the step's 1
+        eff = w16 * S.gemm_efficiency + w8 * fp8_eff + w4 * S.fp4_gemm_efficiency
         speed, added = fp8_recipe_terms(op) if recipe else (1, 0)
         eff = eff * speed
         # FP8 and FP4 GEMMs saturate at larger shapes (HardwareSpec): weight dimensions at

@@ -168,6 +168,8 @@ class Symbols:
     mxfp8_gemm_speed = _nonneg("mxfp8_gemm_speed")
     gemm_efficiency = _real("gemm_efficiency")
     fp8_gemm_efficiency = _real("fp8_gemm_efficiency")
+    fp8_step_efficiency = _real("fp8_step_efficiency")
+    """Training: share of ``fp8_gemm_efficiency`` FP8 GEMMs reach in a step (serving: 1)."""
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
     gemm_half_dim = _real("gemm_half_dim")
     fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
@@ -226,6 +228,7 @@ HARDWARE_SYMBOLS = (
     "mxfp8_gemm_speed",
     "gemm_efficiency",
     "fp8_gemm_efficiency",
+    "fp8_step_efficiency",
     "fp4_gemm_efficiency",
     "gemm_half_dim",
     "fp8_gemm_half_dim",

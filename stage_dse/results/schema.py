@@ -171,6 +171,7 @@ _HASHED_APART = (
     *FP8_RECIPE_COLUMNS,
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",
+    "fp8_step_efficiency",
     *HOST_COLUMNS,
 )
 """Config columns hashed only where they differ from the default (older rows keep their hashes)."""
@@ -262,6 +263,12 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                     v = _hash_input(source[c], False)
                     extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
                 h = np.where(scaled, extra, h)
+        # FP8 GEMMs in a training step below the tables' efficiency (absent or 1: as before)
+        if "fp8_step_efficiency" in source:
+            step = np.nan_to_num(np.asarray(source["fp8_step_efficiency"], dtype=float), nan=1.0)
+            if np.any(step != 1.0):
+                extra = _mix(h ^ (_hash_input(step, False) + _stable64("fp8_step_efficiency")))
+                h = np.where(step != 1.0, extra, h)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)

@@ -99,6 +99,13 @@ class HardwareSpec:
     gemm_efficiency: float = 0.8
     fp8_gemm_efficiency: float = 0.0
     """Large FP8 GEMMs' fraction of the FP8 peak (0: ``FP8_GEMM_RATIO`` x gemm_efficiency)."""
+    fp8_step_efficiency: float = 1.0
+    """Training: the share of ``fp8_gemm_efficiency`` FP8 GEMMs (per-tensor and MXFP8) reach
+    inside a step where the presets take that efficiency from isolated-kernel tables (the
+    part's power limit over seconds of back-to-back GEMMs, collectives sharing SMs and HBM,
+    the FP8 recipe's bookkeeping); 1: as the tables give. Serving iterations are short
+    CUDA-graph launches like the tables' own and keep 1 (fitted over the training corpus:
+    ``stage_dse/validation/parameters.yaml``)."""
     fp4_gemm_efficiency: float = 0.0
     """Large FP4 GEMMs' fraction of the FP4 peak (0: ``FP4_GEMM_RATIO`` x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
@@ -159,6 +166,7 @@ class HardwareSpec:
             "memory_efficiency",
             "sustained_clock",
             "measured_efficiency",
+            "fp8_step_efficiency",
             "rowwise_gemm_speed",
         ):
             _fraction(owner, f, getattr(self, f))

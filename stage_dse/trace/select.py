@@ -151,6 +151,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         memory_reserve_bytes=1.0,
         gemm_efficiency=float(row["gemm_efficiency"]),
         fp8_gemm_efficiency=float(row["fp8_gemm_efficiency"]),
+        fp8_step_efficiency=float(_given(row, "fp8_step_efficiency", 1.0)),
         gemm_half_dim=float(row["gemm_half_dim"]),
         fp8_gemm_half_dim=float(row.get("fp8_gemm_half_dim", row["gemm_half_dim"])),
         attention_efficiency=float(row["attention_efficiency"]),
