@@ -230,3 +230,30 @@ def test_a_table_of_many_families_equals_each_family_evaluated_alone():
         lacking += len(other)
         assert (together.loc[rows.index, other] == 0).all().all()
     assert lacking > 0  # some family lacks some output
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    categories=st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=5, unique=True),
+    data=st.data(),
+)
+def test_labels_read_like_the_pandas_categorical_they_stand_for(categories, data):
+    """A text column of plan columns (codes into categories, without pandas) gives the values,
+    comparisons, row selections and DataFrame column the equivalent pandas.Categorical gives."""
+    from stage_dse.cost.labels import Labels
+
+    codes = np.array(
+        data.draw(st.lists(st.integers(0, len(categories) - 1), min_size=0, max_size=20)),
+        dtype=np.int64,
+    )
+    labels, cat = Labels(codes, categories), pd.Categorical.from_codes(codes, categories)
+    assert list(labels) == list(cat)
+    probe = data.draw(st.sampled_from([*categories, "absent"]))
+    np.testing.assert_array_equal(labels == probe, np.asarray(cat == probe))
+    np.testing.assert_array_equal(labels != probe, np.asarray(cat != probe))
+    mask = np.array(
+        data.draw(st.lists(st.booleans(), min_size=len(codes), max_size=len(codes))), dtype=bool
+    )
+    assert list(labels[mask]) == list(cat[mask])
+    pd.testing.assert_series_equal(pd.Series(labels.to_pandas()), pd.Series(cat))
+    np.testing.assert_array_equal(np.asarray(labels, dtype=object), np.asarray(cat, dtype=object))

@@ -39,7 +39,10 @@ class Labels:
         return (self.categories[c] for c in self.codes.tolist())
 
     def __eq__(self, other: object) -> np.ndarray:  # type: ignore[override]
-        """Row by row against one value: a boolean array."""
+        """Row by row against one value, or against another column of as many rows: a
+        boolean array."""
+        if isinstance(other, Labels | np.ndarray | list | tuple):
+            return self.to_numpy() == np.asarray(other, dtype=object)
         if other in self.categories:
             return self.codes == self.categories.index(other)
         return np.zeros(len(self.codes), dtype=bool)
@@ -49,6 +52,10 @@ class Labels:
 
     def __repr__(self) -> str:
         return f"Labels({len(self)} rows, categories={list(self.categories)!r})"
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = self.to_numpy()
+        return values if dtype is None else values.astype(dtype)
 
     def to_numpy(self) -> np.ndarray:
         """The values, one per row (an object array)."""
