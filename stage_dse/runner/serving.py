@@ -233,7 +233,7 @@ def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int
     row.update(
         {
             "workload": "serving",
-            "fp8_step_efficiency": 1.0,  # a training step's; engine iterations as the tables
+            "fp8_step_efficiency": 1.0,  # engine iterations keep the tables' FP8 efficiency
             "kv_bytes": serving.kv_dtype.bytes,
             "prompt": serving.prompt_len,
             "output_tokens": serving.output_tokens,
