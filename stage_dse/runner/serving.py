@@ -229,11 +229,10 @@ def serving_row(model, serving: ServingSpec, hardware, cluster, tp: int, pp: int
     plan = serving_plan(model, tp, pp, serving.batch_size, ep)
     key = serving_key(model, serving, plan)
     like = serving.step_like(hardware, replicas=plan.dp)
-    row = config_row(model, like, plan, hardware, cluster.replace(num_gpus=plan.num_gpus))
+    row = config_row(model, like, plan, hardware.serving(), cluster.replace(num_gpus=plan.num_gpus))
     row.update(
         {
             "workload": "serving",
-            "fp8_step_efficiency": 1.0,  # engine iterations keep the tables' FP8 efficiency
             "kv_bytes": serving.kv_dtype.bytes,
             "prompt": serving.prompt_len,
             "output_tokens": serving.output_tokens,

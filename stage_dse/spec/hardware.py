@@ -216,6 +216,12 @@ class HardwareSpec:
     def replace(self, **changes: object) -> HardwareSpec:
         return dataclasses.replace(self, **changes)
 
+    def serving(self) -> HardwareSpec:
+        """The part as a serving pass binds it: engine iterations are short CUDA-graph launches
+        like the kernel tables' own, so FP8 GEMMs keep the tables' efficiency
+        (``fp8_step_efficiency`` 1, a training step's share)."""
+        return self.replace(fp8_step_efficiency=1.0)
+
 
 def even_domain_share(num_gpus: int, domain_gpus: int) -> int:
     """GPUs a job of ``num_gpus`` holds in each scale-up domain when it fills the fewest

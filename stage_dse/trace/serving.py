@@ -74,8 +74,7 @@ def write_serving_trace(
     like = serving.step_like(hardware, replicas=plan.dp)
     values = {
         **bind(model, like, plan.replace(micro_batch_size=serving.batch_size)),
-        **bind_hardware(hardware, cluster.replace(num_gpus=max(plan.num_gpus, 1))),
-        "fp8_step_efficiency": 1.0,  # serving, as in stage_dse.runner.serving.serving_row
+        **bind_hardware(hardware.serving(), cluster.replace(num_gpus=max(plan.num_gpus, 1))),
         "seq": serving.prompt_len if phase == "prefill" else 1,
         "context": serving.prompt_len if phase == "prefill" else serving.decode_context,
         "prompt": serving.prompt_len,
