@@ -11,8 +11,8 @@ What it compares
     (those both tools predict), and the CPU-seconds each tool spent.
 
 Install the peer (its own venv, so the project's environment is not changed)
-    python -m venv /work/venvs/aic && /work/venvs/aic/bin/pip install aiconfigurator
-    python benchmarks/bench_aiconfigurator.py --aic-python /work/venvs/aic/bin/python
+    python -m venv ~/venvs/aic && ~/venvs/aic/bin/pip install aiconfigurator
+    python benchmarks/bench_aiconfigurator.py --aic-python ~/venvs/aic/bin/python
 
     ``--aic-python`` defaults to ``$STAGE_DSE_AIC_PYTHON``, else this interpreter when it can
     import ``aiconfigurator``; without the peer the script prints why and "skipped" (exit 0).
