@@ -194,13 +194,20 @@ def in_process(repeat: int) -> dict[str, float]:
 
 def fresh(repeat: int, plans_json: str) -> dict[str, float]:
     """Medians of ``repeat`` rounds of fresh processes: llm-analysis, then this package with
-    a new empty cache three times (first, second and third process to meet the families)."""
-    cpu: dict[str, list[float]] = {"peer": [], "first": [], "second": [], "third": []}
+    a new empty cache three times (first, second and third process to meet the families),
+    then with another empty cache and the shipped family programs off (``STAGE_DSE_SHIPPED=0``:
+    every family derived, as for a model outside the presets), twice."""
+    names = ("peer", "first", "second", "third", "derived", "derived_second")
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(repeat):
+        cpu["peer"].append(run_child(PEER_FRESH, plans_json)[0])
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, STAGE_DSE_CACHE=cache)
-            cpu["peer"].append(run_child(PEER_FRESH, plans_json)[0])
             for name in ("first", "second", "third"):
+                cpu[name].append(run_child(OURS_FRESH, env=env)[0])
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, STAGE_DSE_CACHE=cache, STAGE_DSE_SHIPPED="0")
+            for name in ("derived", "derived_second"):
                 cpu[name].append(run_child(OURS_FRESH, env=env)[0])
     return {k: statistics.median(v) for k, v in cpu.items()}
 
@@ -240,6 +247,8 @@ def main() -> None:
         ("stage_dse, empty cache", "first"),
         ("stage_dse, second process", "second"),
         ("stage_dse, third process", "third"),
+        ("stage_dse, empty cache, none shipped", "derived"),
+        ("stage_dse, second, none shipped", "derived_second"),
     ):
         print(f"  {label:35s} {f[name]:8.2f}  ({f['peer'] / f[name]:.2f}x)")
     print(
@@ -247,7 +256,9 @@ def main() -> None:
         f"per_plan_interpreted_ratio={peer / w['per_plan_interpreted']:.2f} "
         f"table_ratio={peer / w['table']:.1f} fresh_empty_ratio={f['peer'] / f['first']:.2f} "
         f"fresh_second_ratio={f['peer'] / f['second']:.2f} "
-        f"fresh_third_ratio={f['peer'] / f['third']:.2f}"
+        f"fresh_third_ratio={f['peer'] / f['third']:.2f} "
+        f"fresh_unshipped_ratio={f['peer'] / f['derived']:.2f} "
+        f"fresh_unshipped_second_ratio={f['peer'] / f['derived_second']:.2f}"
     )
 
 

@@ -10,14 +10,16 @@ outputs inside symengine, then common subexpressions are shared by the code gene
 without symengine, ``sympy.lambdify`` to numpy with the definitions evaluated in order.
 
 Compile strategy (:func:`family_for`): deriving a family's program (graph, costs, time,
-common subexpressions) costs 0.2-0.5 CPU-s, LLVM code generation from it about 0.1, and the
-interpreter of the same program ~0.01 to build but 50-150 us per row where compiled code
-takes ~0.4 us (a one-row call ~10 us). The derived program goes to the disk cache at once. A
-family is compiled when its rows in this process reach ``LLVM_MIN_ROWS``, or when an earlier
-process met it (its program or its code is in the disk cache: families that recur across
-runs are worth compiling, and the code is cached in turn, so from then on a process loads it
-in about a millisecond); otherwise its first process interprets it. Interpreted and compiled
-results agree to within a few ulp (measured at most 1.3e-15 relative).
+common subexpressions) costs 0.1-0.5 CPU-s, LLVM code generation from it about 0.1, and its
+numpy form (:mod:`stage_dse.cost.vector`) ~4 ms to print and ~2 ms a call over a table of a few
+thousand rows, where compiled code takes ~0.4 us a row (symengine's interpreter, kept for
+one-row calls, 50-150 us). The derived program goes to the disk cache at once. A family is
+compiled when its rows in this process reach ``LLVM_MIN_ROWS`` or when an earlier process
+compiled it (its code is in the disk cache: from then on a process loads it in about a
+millisecond); below that it runs interpreted, from the disk cache's program or, for the
+families the package ships (:mod:`stage_dse.cost.shipped`), from the shipped numpy program
+without deriving anything. Interpreted and compiled results agree to within a few ulp
+(measured at most 1.6e-15 relative).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,6 +53,7 @@ __all__ = [
     "family_digest",
     "family_for",
     "family_program",
+    "record_families",
 ]
 
 SYMBOL_NAMES: tuple[str, ...] = Symbols.names()
@@ -190,6 +194,19 @@ _ready: dict[tuple[CostKey, str], CompiledFamily] = {}
 each of its families once per call, and one lookup here replaces the four hashes of a nested
 key that the row accounting above costs on every call."""
 _READY_MAX = 512  # as compile_family's own memory
+_met: set[tuple[CostKey, str]] | None = None  # see record_families
+
+
+@contextmanager
+def record_families() -> Iterator[set[tuple[CostKey, str]]]:
+    """A set that collects every (family, subset) :func:`family_for` meets in the block."""
+    global _met
+    met: set[tuple[CostKey, str]] = set()
+    _met = met
+    try:
+        yield met
+    finally:
+        _met = None
 
 
 def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFamily:
@@ -200,6 +217,8 @@ def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFami
     family = _ready.get(tag)
     if family is not None:
         return family
+    if _met is not None:
+        _met.add(tag)
     backend = _backend()
     if backend != "symengine":
         return compile_family(key, backend, subset)
@@ -209,8 +228,8 @@ def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFami
             _ready.clear()
         family = _ready[tag] = compile_family(key, None, subset)
         return family
-    if tag not in _interpreted:  # first met in this process: met by an earlier one?
-        if _cache_path(key, backend, subset).is_file() or _program_path(key, subset).is_file():
+    if tag not in _interpreted:  # first met in this process: compiled by an earlier one?
+        if _cache_path(key, backend, subset).is_file():
             return compile_family(key, None, subset)
         _interpreted.add(tag)
     return _interpreted_family(key, subset)
@@ -226,18 +245,56 @@ def _program_path(key: CostKey, subset: str) -> Path:
 
 @lru_cache(maxsize=512)
 def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
-    names, outs, args = _symengine_program(key, subset)
-    fn = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
-    return CompiledFamily(key, names, _wrap(fn, len(names)), "interpreted", fn)
+    """A family evaluated without compiled code: the numpy program of its common-subexpression
+    form (:mod:`stage_dse.cost.vector`; numpy columns for tables, Python floats for a few
+    rows), from the package's shipped programs (:mod:`stage_dse.cost.shipped`: nothing
+    derived) or from the disk cache's or a fresh derivation's program; symengine's
+    interpreter where the printer does not translate a node."""
+    from stage_dse.cost.shipped import shipped_source
+    from stage_dse.cost.vector import Unprintable, numpy_source, source_function
+
+    shipped = shipped_source(key, subset)
+    if shipped is not None:
+        names, source = shipped
+        fn = source_function(_python_code(source), len(names))
+        return CompiledFamily(key, names, fn, "interpreted")
+    names, steps, finals, arg_names = _cse_program(key, subset)
+    try:
+        fn = source_function(numpy_source(steps, finals, arg_names), len(names))
+    except Unprintable:
+        _, outs, args = _symengine_program(key, subset)
+        lam = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
+        fn = _wrap(lam, len(names))
+    return CompiledFamily(key, names, fn, "interpreted")
+
+
+def _python_code(source: str):
+    """The code object of a numpy program, compiled once per Python version and kept in the
+    disk cache (compiling a preset family's text is ~5 ms, loading it ~0.3)."""
+    import marshal
+    import sys
+
+    text = "|".join([source, sys.version, "marshal"])
+    path = cache_dir() / f"code-{hashlib.sha256(text.encode()).hexdigest()[:32]}.pkl"
+    data = load_pickle(path)
+    if isinstance(data, bytes):
+        try:
+            return marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            path.unlink(missing_ok=True)
+    code = compile(source, "<shipped family>", "exec")
+    store_pickle(path, marshal.dumps(code))
+    return code
 
 
 @lru_cache(maxsize=64)
-def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list, list]:
-    """Named outputs of one family as symengine expressions, definitions substituted, and the
-    input symbols in order. Deriving them (graph, costs, time, conversion) is most of what a
-    family costs before its first row (0.2-0.5 CPU-s), so they are kept in the disk cache
-    beside the compiled code: a later process, or a Ray worker, that meets the family loads
-    them in about a millisecond, whether it then interprets or compiles them."""
+def _cse_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list, list, list[str]]:
+    """Named outputs of one family in common-subexpression form (``symengine.cse``: steps,
+    then outputs over them) and the input symbols' names in order. Deriving them (graph,
+    costs, time, conversion) is most of what a family costs before its first row (0.2-0.5
+    CPU-s), so they are kept in the disk cache beside the compiled code: a later process, or
+    a Ray worker, that meets the family loads them in about a millisecond, whether it then
+    interprets or compiles them."""
     path = _program_path(key, subset)
     cached = load_pickle(path)
     if cached is None:
@@ -246,7 +303,14 @@ def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list
         steps, finals = _se.cse(_to_symengine(defs, [outputs[n] for n in names]))
         cached = (names, steps, finals, [str(a) for a in _se_args(key, subset)])
         store_pickle(path, cached)
-    names, steps, finals, arg_names = cached
+    return cached
+
+
+@lru_cache(maxsize=64)
+def _symengine_program(key: CostKey, subset: str) -> tuple[tuple[str, ...], list, list]:
+    """Named outputs of one family as symengine expressions, definitions substituted, and the
+    input symbols in order (:func:`_cse_program`)."""
+    names, steps, finals, arg_names = _cse_program(key, subset)
     return names, _unshare(steps, finals), [_se.Symbol(n) for n in arg_names]
 
 
