@@ -248,29 +248,34 @@ def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
     """A family evaluated without compiled code: the numpy program of its common-subexpression
     form (:mod:`stage_dse.cost.vector`; numpy columns for tables, Python floats for a few
     rows), from the package's shipped programs (:mod:`stage_dse.cost.shipped`: nothing
-    derived) or from the disk cache's or a fresh derivation's program; symengine's
-    interpreter where the printer does not translate a node."""
+    derived), as an earlier process printed it (disk cache), or printed from the disk
+    cache's or a fresh derivation's program; symengine's interpreter where the printer does
+    not translate a node."""
     from stage_dse.cost.shipped import shipped_source
     from stage_dse.cost.vector import Unprintable, numpy_source, source_function
 
-    shipped = shipped_source(key, subset)
-    if shipped is not None:
-        names, source = shipped
-        fn = source_function(_python_code(source), len(names))
-        return CompiledFamily(key, names, fn, "interpreted")
-    names, steps, finals, arg_names = _cse_program(key, subset)
-    try:
-        fn = source_function(numpy_source(steps, finals, arg_names), len(names))
-    except Unprintable:
-        _, outs, args = _symengine_program(key, subset)
-        lam = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
-        fn = _wrap(lam, len(names))
-    return CompiledFamily(key, names, fn, "interpreted")
+    printed = shipped_source(key, subset)
+    if printed is None:  # printed by an earlier process?
+        path = cache_dir() / f"vector-{family_digest(key, f'vector-{subset}')}.pkl"
+        printed = load_pickle(path)
+    if printed is None:
+        names, steps, finals, arg_names = _cse_program(key, subset)
+        try:
+            printed = (names, numpy_source(steps, finals, arg_names))
+        except Unprintable:
+            _, outs, args = _symengine_program(key, subset)
+            lam = _se.Lambdify(args, outs, backend="lambda", cse=True, real=True)
+            return CompiledFamily(key, names, _wrap(lam, len(names)), "interpreted")
+        store_pickle(path, printed)
+    names, source = printed
+    return CompiledFamily(
+        key, names, source_function(_python_code(source), len(names)), "interpreted"
+    )
 
 
 def _python_code(source: str):
-    """The code object of a numpy program, compiled once per Python version and kept in the
-    disk cache (compiling a preset family's text is ~5 ms, loading it ~0.3)."""
+    """The code object of a family's numpy program, compiled once per Python version and kept
+    in the disk cache (compiling a preset family's text is ~5 ms, loading it ~0.3)."""
     import marshal
     import sys
 
@@ -282,7 +287,7 @@ def _python_code(source: str):
             return marshal.loads(data)
         except (EOFError, ValueError, TypeError):
             path.unlink(missing_ok=True)
-    code = compile(source, "<shipped family>", "exec")
+    code = compile(source, "<family>", "exec")
     store_pickle(path, marshal.dumps(code))
     return code
 
