@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,8 +13,15 @@ from stage_dse.graph.symbols import S
 from stage_dse.spec import ModelSpec, TrainingSpec
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# compiled families go to a cache private to this test session (exercises the compile path)
-os.environ["STAGE_DSE_CACHE"] = tempfile.mkdtemp(prefix="stage_dse_cache_")
+# compiled families go to a cache private to this test session (exercises the compile path),
+# removed when the session ends
+_SESSION_CACHE = tempfile.mkdtemp(prefix="stage_dse_cache_")
+os.environ["STAGE_DSE_CACHE"] = _SESSION_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
 
 # GPT of Narayanan et al.: ffn = 4h, head_dim = h / a, MHA, learned positions of length s
 GPT_SUBS = {
