@@ -75,3 +75,25 @@ def same(a: sp.Expr, b: sp.Expr) -> bool:
 @pytest.fixture
 def training() -> TrainingSpec:
     return TrainingSpec(seq_len=2048, global_batch_size=64)
+
+
+@pytest.fixture
+def run_python():
+    """Runs Python source in a fresh interpreter (``env`` as given) and returns its stdout
+    split on whitespace; a failure shows the child's stderr."""
+    import subprocess
+    import sys
+
+    def run(code: str, env: dict) -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    return run

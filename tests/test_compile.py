@@ -155,29 +155,15 @@ print(len(y), step_s, *(m in sys.modules for m in ("sympy", "stage_dse.graph.cor
 """
 
 
-def test_a_process_that_meets_only_compiled_families_derives_nothing(tmp_path):
+def test_a_process_that_meets_only_compiled_families_derives_nothing(tmp_path, run_python):
     """A process whose families an earlier one compiled (the disk cache holds their code)
     evaluates a table and a single plan without importing sympy, the graph builders or
     pandas, and gets the numbers the deriving process got."""
     import os
-    import subprocess
-    import sys
 
     env = dict(os.environ, STAGE_DSE_CACHE=str(tmp_path), STAGE_DSE_LLVM_MIN_ROWS="0")
-
-    def run() -> list[str]:
-        proc = subprocess.run(
-            [sys.executable, "-c", _TABLE_IN_A_FRESH_PROCESS],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout.split()
-
-    first, later = run(), run()
+    first = run_python(_TABLE_IN_A_FRESH_PROCESS, env)
+    later = run_python(_TABLE_IN_A_FRESH_PROCESS, env)
     assert first[:2] == later[:2]  # rows, step seconds
     assert first[2:4] == ["True", "True"]  # the first process derived the families
     assert later[2:] == ["False", "False", "False"]

@@ -5,8 +5,6 @@ enough for a process with an empty cache to evaluate the default sweep without d
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -112,36 +110,20 @@ def test_shipped_programs_give_the_derived_numbers(tmp_path, monkeypatch):
 
 _DEFAULT_SWEEP_TABLE = """
 import sys
-from stage_dse.config import load_cluster, load_framework, load_hardware, load_model
+from stage_dse.cli.shipped import preset_tables
 from stage_dse.cost.table import evaluate_columns
-from stage_dse.search import SearchSpace, enumerate_plans
-from stage_dse.spec import TrainingSpec
-
-plans = enumerate_plans(
-    load_model("llama3_8b"),
-    TrainingSpec(seq_len=4096, global_batch_size=256),
-    load_hardware("h100_sxm"),
-    load_cluster("dgx_h100", num_gpus=64),
-    SearchSpace(frameworks=(load_framework("megatron_core"),)),
-).columns
+plans = preset_tables()[0]
 names, y = evaluate_columns(plans, "memory")
 names, y = evaluate_columns(plans)
 print(len(y), *(m in sys.modules for m in ("sympy", "stage_dse.graph.core")))
 """
 
 
-def test_a_process_with_an_empty_cache_evaluates_the_default_sweep_without_deriving(tmp_path):
-    env = dict(os.environ, STAGE_DSE_CACHE=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-c", _DEFAULT_SWEEP_TABLE],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows, sympy_loaded, graph_loaded = proc.stdout.split()
+def test_a_process_with_an_empty_cache_evaluates_the_default_sweep_without_deriving(
+    tmp_path, run_python
+):
+    out = run_python(_DEFAULT_SWEEP_TABLE, dict(os.environ, STAGE_DSE_CACHE=str(tmp_path)))
+    rows, sympy_loaded, graph_loaded = out
     assert int(rows) > 1000
     assert (sympy_loaded, graph_loaded) == ("False", "False")
     assert not list(tmp_path.glob("program-*.pkl"))

@@ -30,6 +30,7 @@ class Unprintable(ValueError):
 
 
 _NUMBERS = ("Integer", "NegativeOne", "One", "Zero", "Half", "Rational", "RealDouble", "Exp1")
+_NESTED = {"Max": "maximum", "Min": "minimum", "And": "logical_and", "Or": "logical_or"}
 _FUNCTIONS = {"floor": "floor", "ceiling": "ceil", "log": "log", "Abs": "absolute"}
 _COMPARE = {
     "StrictLessThan": "<",
@@ -85,22 +86,15 @@ def _print(expr, names: dict[str, str], used_args: set) -> str:
         return "(" + " * ".join(args) + ")"
     if kind == "Pow":
         return f"({args[0]} ** {args[1]})"
-    if kind in ("Max", "Min"):
-        fn = "maximum" if kind == "Max" else "minimum"
+    if kind in _NESTED:  # n-ary, as nested binary calls
         text = args[-1]
         for a in reversed(args[:-1]):
-            text = f"{fn}({a}, {text})"
+            text = f"{_NESTED[kind]}({a}, {text})"
         return text
     if kind in _FUNCTIONS and len(args) == 1:
         return f"{_FUNCTIONS[kind]}({args[0]})"
     if kind in _COMPARE and len(args) == 2:
         return f"({args[0]} {_COMPARE[kind]} {args[1]})"
-    if kind in ("And", "Or"):
-        fn = "logical_and" if kind == "And" else "logical_or"
-        text = args[-1]
-        for a in reversed(args[:-1]):
-            text = f"{fn}({a}, {text})"
-        return text
     if kind == "Not":
         return f"logical_not({args[0]})"
     if kind == "Piecewise":
