@@ -214,11 +214,11 @@ def family_for(key: CostKey, subset: str = "all", rows: int = 1) -> CompiledFami
     already built (memory or disk cache) or when the family's rows in this process reach
     :data:`LLVM_MIN_ROWS`, else the interpreted program (see the module docstring)."""
     tag = (key, subset)
+    if _met is not None:
+        _met.add(tag)
     family = _ready.get(tag)
     if family is not None:
         return family
-    if _met is not None:
-        _met.add(tag)
     backend = _backend()
     if backend != "symengine":
         return compile_family(key, backend, subset)
