@@ -11,9 +11,10 @@ without symengine, ``sympy.lambdify`` to numpy with the definitions evaluated in
 
 Compile strategy (:func:`family_for`): deriving a family's program (graph, costs, time,
 common subexpressions) costs 0.1-0.5 CPU-s, LLVM code generation from it about 0.1, and its
-numpy form (:mod:`stage_dse.cost.vector`) ~4 ms to print and ~2 ms a call over a table of a few
-thousand rows, where compiled code takes ~0.4 us a row (symengine's interpreter, kept for
-one-row calls, 50-150 us). The derived program goes to the disk cache at once. A family is
+numpy form (:mod:`stage_dse.cost.vector`) ~4 ms to print and ~5 ms to compile; that form
+takes ~1 ms a call for tens of rows and ~5 us a row at a few thousand (10-80 us for one row on
+Python floats), where compiled code takes ~0.4 us a row. The derived program goes to the disk
+cache at once. A family is
 compiled when its rows in this process reach ``LLVM_MIN_ROWS`` or when an earlier process
 compiled it (its code is in the disk cache: from then on a process loads it in about a
 millisecond); below that it runs interpreted, from the disk cache's program or, for the
@@ -258,6 +259,8 @@ def _interpreted_family(key: CostKey, subset: str) -> CompiledFamily:
     if printed is None:  # printed by an earlier process?
         path = cache_dir() / f"vector-{family_digest(key, f'vector-{subset}')}.pkl"
         printed = load_pickle(path)
+        if not (isinstance(printed, tuple) and len(printed) == 2):
+            printed = None
     if printed is None:
         names, steps, finals, arg_names = _cse_program(key, subset)
         try:
