@@ -79,17 +79,18 @@ def training() -> TrainingSpec:
 
 @pytest.fixture
 def run_python():
-    """Runs Python source in a fresh interpreter (``env`` as given) and returns its stdout
-    split on whitespace; a failure shows the child's stderr."""
+    """Runs Python source in a fresh interpreter (``env`` as given, in ``cwd``) and returns its
+    stdout split on whitespace; a failure shows the child's stderr."""
     import subprocess
     import sys
 
-    def run(code: str, env: dict) -> list[str]:
+    def run(code: str, env: dict, cwd=None) -> list[str]:
         proc = subprocess.run(
             [sys.executable, "-c", code],
             capture_output=True,
             text=True,
             env=env,
+            cwd=cwd,
             check=False,
             timeout=300,
         )

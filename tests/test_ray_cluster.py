@@ -170,7 +170,7 @@ def test_joining_without_the_auth_setting_is_one_line_naming_it(head, tmp_path):
     assert not list(tmp_path.glob("default/part-*.parquet"))
 
 
-def test_the_embedded_runner_never_joins_a_running_cluster(head, tmp_path):
+def test_the_embedded_runner_never_joins_a_running_cluster(head, tmp_path, run_python):
     """``runner=ray`` without an address starts its own Ray, though a ``ray start`` cluster
     runs, its address file is there and ``RAY_ADDRESS`` names it."""
     script = (
@@ -182,16 +182,7 @@ def test_the_embedded_runner_never_joins_a_running_cluster(head, tmp_path):
         "ex.close()\n"
     )
     env = {**head.env, "RAY_ADDRESS": f"127.0.0.1:{head.port}"}
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    gcs, started_here = res.stdout.split()[-2:]
+    gcs, started_here = run_python(script, env, cwd=tmp_path)[-2:]
     assert started_here == "True"
     assert not gcs.endswith(f":{head.port}")  # its own GCS, not the head's
 

@@ -152,8 +152,13 @@ _SCALAR = {
 # a row whose Python floats raise or turn complex (a division by zero, a log of zero, a
 # fractional power of a negative number in a branch the Piecewise does not take) runs again
 # on numpy scalars, which return inf or nan as the columns do
-_SCALAR_NUMPY = {**_SCALAR, "columns": lambda x: list(x[0]), "floor": np.floor, "ceil": np.ceil}
-_SCALAR_NUMPY["log"] = np.log
+_SCALAR_NUMPY = {
+    **_SCALAR,
+    "columns": lambda x: list(x[0]),
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "log": np.log,
+}
 
 
 def source_function(source, n_out: int, label: str = "family") -> Callable:
