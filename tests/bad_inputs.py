@@ -44,6 +44,7 @@ CASES: list[tuple] = [
     ("stage-dse", ["training.global_batch_size=-1"], "global_batch"),
     ("stage-dse", ["training.gemm_dtype=fp4"], "gemm_dtype"),
     ("stage-dse", ["training.gemm_dtype=fp8", "hardware=a100_80gb"], "fp8"),
+    ("stage-dse", ["training.gemm_dtype=nvfp4"], "gemm_dtype=nvfp4 needs FP4 tensor cores"),
     ("stage-dse", ["training.fp8_recipe=rowwise"], "fp8_recipe=rowwise"),
     ("stage-dse", ["training.gemm_dtype=fp8", "training.fp8_recipe=blocks"], "fp8_recipe"),
     ("stage-dse", ["training.gemm_dtype=fp8", "training.fp8_recipe=mxfp8"], "mxfp8"),

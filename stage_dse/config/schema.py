@@ -163,7 +163,8 @@ class TrainingConf:
     optimizer: str = "adam"
     optimizer_state_dtype: str = "fp32"
     gemm_dtype: str = "bf16"
-    """bf16 or fp8: precision of the linear layers' GEMMs and of the activations they keep."""
+    """bf16, fp8 or nvfp4 (FP4 tensor cores, NVFP4 block scales): precision of the linear
+    layers' GEMMs and of the activations they keep."""
     fp8_recipe: str = "tensorwise"
     """FP8 scaling: tensorwise, rowwise, rowwise_gw_hp or mxfp8 (only with gemm_dtype=fp8)."""
 

@@ -47,20 +47,21 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         **moe_values(model),
         "global_batch": training.global_batch_size,
         "gemm_bytes": training.gemm_dtype.bytes,
-        **fp8_recipe_values(training.fp8_recipe),
+        **fp8_recipe_values(training.fp8_recipe, training.block_scaled),
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
     }
 
 
-def fp8_recipe_values(recipe: Fp8Recipe) -> dict[str, int]:
-    """The FP8 scaling recipe's 0/1 symbols (all 0 for ``tensorwise``, the recipe of 16-bit
-    GEMMs)."""
+def fp8_recipe_values(recipe: Fp8Recipe, block_scaled: bool = False) -> dict[str, int]:
+    """The scaling recipe's 0/1 symbols (all 0 for ``tensorwise``, the recipe of 16-bit
+    GEMMs). ``fp8_mx``: block scales along each operand's reduction axis, MXFP8 or NVFP4 in a
+    training step (``TrainingSpec.block_scaled``)."""
     return {
         "fp8_rowwise": int(recipe.rowwise),
         "fp8_wgrad_hp": int(recipe is Fp8Recipe.ROWWISE_GW_HP),
-        "fp8_mx": int(recipe is Fp8Recipe.MXFP8),
+        "fp8_mx": int(recipe is Fp8Recipe.MXFP8 or block_scaled),
     }
 
 

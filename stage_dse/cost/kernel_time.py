@@ -88,19 +88,21 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
 
     Speed: MXFP8 GEMMs at ``mxfp8_gemm_speed``; row-wise forward GEMMs at
     ``rowwise_gemm_speed`` (the backward ones run the per-tensor kernel). Added bytes under
-    MXFP8: the column-wise copy each quantize kernel writes too. Added kernels under
+    block scales (MXFP8, and NVFP4 in a training step: ``fp8_mx``): the column-wise copy each
+    quantize kernel writes too. Added kernels under
     row-wise scales: every backward FP8 GEMM rescales its 16-bit output (read and write); the
     input gradient quantizes the weight along its other axis; the weight gradient quantizes
     both operands along the token axis from their 16-bit copies."""
-    _, w8, _ = gemm_precision_weights(op)
+    _, w8, w4 = gemm_precision_weights(op)
     row, mx = S.fp8_rowwise, S.fp8_mx
     forward = op.phase is Phase.FORWARD
     speed = 1 - mx * (1 - S.mxfp8_gemm_speed) - (row * (1 - S.rowwise_gemm_speed) if forward else 0)
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
-    # MXFP8: the quantize kernel writes a column-wise copy beside the row-wise one
+    # block scales (MXFP8, NVFP4 in training): the quantize kernel writes a column-wise copy
+    # beside the row-wise one
     copy = mx * S.gemm_bytes * _fp8_quantized_numel(op) / bandwidth
     if forward:
-        return 1 - w8 * (1 - speed), w8 * copy
+        return 1 - w8 * (1 - speed), (w8 + w4) * copy
     quantize = 2 + S.gemm_bytes  # read 16-bit, write FP8
     rescale = _streaming_kernel(4 * op.outputs[0].local_numel)
     if op.outputs[0].role is Role.GRAD:
@@ -108,7 +110,7 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     else:
         weights = _sum(t.local_numel for t in op.inputs if t.role is Role.WEIGHT)
         added = rescale + _streaming_kernel(quantize * weights)
-    return 1 - w8 * (1 - speed), w8 * (copy + row * added)
+    return 1 - w8 * (1 - speed), (w8 + w4) * copy + w8 * row * added
 
 
 def _compute_time(op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0) -> sp.Expr:
@@ -242,8 +244,10 @@ def _gemm_time(
     if is_linear(op):  # the tensor cores of the GEMM inputs' precision (gemm_bytes)
         w16, w8, w4 = gemm_precision_weights(op)
         peak = w16 * S.peak_flops + w8 * S.peak_fp8_flops + w4 * S.peak_fp4_flops
-        fp8_eff = S.fp8_gemm_efficiency * S.fp8_step_efficiency  # serving binds the step's 1
-        eff = w16 * S.gemm_efficiency + w8 * fp8_eff + w4 * S.fp4_gemm_efficiency
+        # the share of the tables' low-precision rate reached inside a training step (FP8 and
+        # NVFP4 GEMMs alike; serving binds 1)
+        low = w8 * S.fp8_gemm_efficiency + w4 * S.fp4_gemm_efficiency
+        eff = w16 * S.gemm_efficiency + low * S.fp8_step_efficiency
         speed, added = fp8_recipe_terms(op) if recipe else (1, 0)
         eff = eff * speed
         # FP8 and FP4 GEMMs saturate at larger shapes (HardwareSpec): weight dimensions at

@@ -476,7 +476,8 @@ def rows_of_run(
     if training is not None:
         keep &= (df["seq"] == training.seq_len) & (df["global_batch"] == training.global_batch_size)
         keep &= df["gemm_bytes"] == training.gemm_dtype.bytes
-        for col, value in fp8_recipe_values(training.fp8_recipe).items():  # rows before recipes: 0
+        recipe = fp8_recipe_values(training.fp8_recipe, training.block_scaled)
+        for col, value in recipe.items():  # rows before recipes: 0
             if col in df:
                 keep &= df[col].fillna(0) == value
             elif value:

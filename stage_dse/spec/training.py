@@ -3,8 +3,8 @@
 Byte sizes follow the mixed-precision Adam convention of Rajbhandari et al. (ZeRO, SC20, sec. 3.1):
 16-bit parameters and gradients, fp32 master weights and two fp32 Adam moments.
 
-The 4-bit block-scaled formats are weight formats of serving (:class:`ServingSpec`), not of
-training steps; their sizes count the block scales:
+The 4-bit block-scaled formats are weight formats of serving (:class:`ServingSpec`); ``nvfp4``
+is a training GEMM format too (``gemm_dtype``). Their sizes count the block scales:
 
 * ``nvfp4`` (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference",
   2025): 4-bit E2M1 values, one FP8 E4M3 scale per block of 16 values (and one FP32 scale per
@@ -133,7 +133,15 @@ class TrainingSpec:
     gemm_dtype: DType = DType.BF16
     """Inputs of the linear layers' GEMMs (forward, input and weight gradients). ``fp8`` runs
     them on FP8 tensor cores and caches the activations they keep for backward in FP8
-    (Transformer Engine; DeepSeek-V3 technical report sec. 3.3); attention stays 16-bit."""
+    (Transformer Engine; DeepSeek-V3 technical report sec. 3.3); attention stays 16-bit.
+    ``nvfp4`` runs them on FP4 tensor cores with NVFP4 block scaling as Transformer Engine's
+    ``NVFP4BlockScaling`` recipe does for training (NVIDIA, "Pretraining Large Language Models
+    with NVFP4", arXiv 2509.25149, sec. 4: 16-value blocks with E4M3 scales, 16x16 blocks for
+    weights, random Hadamard transforms on the weight gradient's inputs, stochastic rounding of
+    gradients): like MXFP8, each quantize kernel writes a row-wise and a column-wise copy and
+    backward keeps the column-wise one; the Hadamard transform and the rounding run inside the
+    quantize kernels, which stay memory-bound. Every linear layer runs in NVFP4 (recipes that
+    keep a few layers in 16-bit for stability are not told apart)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
     """How FP8 GEMM inputs are scaled (:class:`Fp8Recipe`); only ``tensorwise`` with 16-bit
     GEMMs."""
@@ -143,9 +151,7 @@ class TrainingSpec:
 
     def __post_init__(self) -> None:
         owner = "training"
-        gemm_formats = (
-            ("bf16", "fp16", "fp8", "nvfp4") if self.serving_view else ("bf16", "fp16", "fp8")
-        )
+        gemm_formats = ("bf16", "fp16", "fp8", "nvfp4")
         if str(self.gemm_dtype) not in gemm_formats:
             raise ConfigError(
                 f"training.gemm_dtype={str(self.gemm_dtype)!r} is not one of: "
@@ -184,6 +190,15 @@ class TrainingSpec:
     @property
     def fp8_gemms(self) -> bool:
         return self.gemm_dtype is DType.FP8
+
+    @property
+    def block_scaled(self) -> bool:
+        """GEMM inputs quantized in blocks along each operand's reduction axis (MXFP8, or NVFP4
+        in a training step): every quantize kernel writes a column-wise copy beside the
+        row-wise one."""
+        return self.fp8_recipe is Fp8Recipe.MXFP8 or (
+            self.gemm_dtype is DType.NVFP4 and not self.serving_view
+        )
 
     @property
     def tokens_per_step(self) -> int:

@@ -21,6 +21,7 @@ from stage_dse.errors import ConfigError
 from stage_dse.results.schema import FP8_RECIPE_COLUMNS
 from stage_dse.spec import (
     ClusterSpec,
+    DType,
     Fp8Recipe,
     HardwareSpec,
     ModelSpec,
@@ -45,10 +46,17 @@ TRACES_DIR = "_traces"
 DTYPE_OF_BYTES = {1: "fp8", 2: "bf16", 4: "fp32"}
 
 
+def _gemm_dtype(row) -> str:
+    """The GEMM input format of a row's ``gemm_bytes`` (2, 1 or NVFP4's 0.5625)."""
+    return {1.0: "fp8", DType.NVFP4.bytes: "nvfp4"}.get(float(row["gemm_bytes"]), "bf16")
+
+
 def _fp8_recipe(row) -> Fp8Recipe:
-    """The FP8 scaling recipe whose 0/1 columns the row holds (rows before recipes: per-tensor)."""
+    """The FP8 scaling recipe whose 0/1 columns the row holds (rows before recipes: per-tensor;
+    NVFP4 rows' block-scaling flag is their format's, not an FP8 recipe)."""
     flags = {c: int(_given(row, c, 0)) for c in FP8_RECIPE_COLUMNS}
-    return next(r for r in Fp8Recipe if fp8_recipe_values(r) == flags)
+    nvfp4 = _gemm_dtype(row) == "nvfp4"
+    return next(r for r in Fp8Recipe if fp8_recipe_values(r, nvfp4) == flags)
 
 
 def _given(row, column: str, default: float) -> float:
@@ -106,7 +114,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         params_dtype=DTYPE_OF_BYTES[int(row["param_bytes"])],
         grads_dtype=DTYPE_OF_BYTES[int(row["grad_bytes"])],
         optimizer="adam" if opt_bytes == 12 else "sgd_momentum",
-        gemm_dtype="fp8" if int(row["gemm_bytes"]) == 1 else "bf16",
+        gemm_dtype=_gemm_dtype(row),
         fp8_recipe=_fp8_recipe(row),
     )
     plan = ParallelPlan(
@@ -145,6 +153,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         name=str(row["hardware"]),
         peak_flops=float(row["peak_flops"]),
         peak_fp8_flops=float(row["peak_fp8_flops"]),
+        peak_fp4_flops=float(_given(row, "peak_fp4_flops", 0.0)),
         sustained_clock=float(row["sustained_clock"]),
         hbm_bytes=float(row["usable_memory"]) + 1.0,
         hbm_bandwidth_bytes_per_s=float(row["hbm_bandwidth"]),
@@ -154,6 +163,8 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         fp8_step_efficiency=float(_given(row, "fp8_step_efficiency", 1.0)),
         gemm_half_dim=float(row["gemm_half_dim"]),
         fp8_gemm_half_dim=float(row.get("fp8_gemm_half_dim", row["gemm_half_dim"])),
+        fp4_gemm_efficiency=float(_given(row, "fp4_gemm_efficiency", 0.0)),  # 0: derived
+        fp4_gemm_half_dim=float(_given(row, "fp4_gemm_half_dim", 0.0)),
         attention_efficiency=float(row["attention_efficiency"]),
         memory_efficiency=float(row["memory_efficiency"]),
         kernel_launch_s=float(row["kernel_launch_s"]),

@@ -122,15 +122,17 @@ def training_setup(case: Case) -> TrainingSetup:
     if f.get("activation_cpu_offload") and not f.get("offload_layers"):
         raise Unexpressible("activation offload to host memory without a layer count")
     precision = f.get("precision", "bf16")
-    if precision not in ("bf16", "fp16", "fp8"):
-        raise Unexpressible(f"precision {precision!r} (training GEMMs in bf16, fp16 or fp8 only)")
+    if precision not in ("bf16", "fp16", "fp8", "nvfp4"):
+        raise Unexpressible(
+            f"precision {precision!r} (training GEMMs in bf16, fp16, fp8 or nvfp4 only)"
+        )
     try:
         training = TrainingSpec(
             seq_len=f["seq_len"],
             global_batch_size=f["global_batch"],
             # the record's stated gradient precision, else the framework's, else 16-bit
             grads_dtype=f.get("grads") or framework.grads(DType.BF16),
-            gemm_dtype="fp8" if precision == "fp8" else "bf16",
+            gemm_dtype=precision if precision in ("fp8", "nvfp4") else "bf16",
             fp8_recipe=f.get("fp8_recipe", "tensorwise"),
             optimizer_state_dtype=f.get("optimizer_states", DType.FP32),
             master_dtype=f.get("master", DType.FP32),
