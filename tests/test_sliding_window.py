@@ -194,9 +194,11 @@ def test_training_time_drops_with_the_window():
     model = windowed(num_experts=8, top_k=2, moe_ffn_hidden_size=256)
     training = TrainingSpec(seq_len=8192, global_batch_size=64)
     plan = ParallelPlan(dp=8, ep=8)
-    kw = {"hardware": H100, "cluster": load_cluster("dgx_h100", num_gpus=8)}
+    # without the host's issue of each op, which bounds this small model's layers in both
+    # cases alike (40 us an op eagerly) and hides the attention it saves
+    kw = {"hardware": H100.replace(host_op_s=0.0), "cluster": load_cluster("dgx_h100", num_gpus=8)}
     win = evaluate_plan(model, training, plan, **kw)
     full = evaluate_plan(model.replace(sliding_window=0, full_attention_interval=0), training,
                          plan, **kw)  # fmt: skip
-    assert win["step_s"] < full["step_s"]
+    assert win["step_s"] < 0.99 * full["step_s"]
     assert win["mem_total_bytes"] == pytest.approx(full["mem_total_bytes"], rel=1e-12)
