@@ -100,11 +100,13 @@ class HardwareSpec:
     fp8_gemm_efficiency: float = 0.0
     """Large FP8 GEMMs' fraction of the FP8 peak (0: ``FP8_GEMM_RATIO`` x gemm_efficiency)."""
     fp8_step_efficiency: float = 1.0
-    """Training: the share of ``fp8_gemm_efficiency`` FP8 GEMMs (per-tensor and MXFP8) reach
-    inside a step where the presets take that efficiency from isolated-kernel tables (the
-    part's power limit over seconds of back-to-back GEMMs, collectives sharing SMs and HBM,
-    the FP8 recipe's bookkeeping); 1: as the tables give. Serving iterations are short
-    CUDA-graph launches like the tables' own and keep 1 (fitted over the training corpus:
+    """Training: the share of ``fp8_gemm_efficiency`` (and of ``fp4_gemm_efficiency``) FP8
+    GEMMs (per-tensor and MXFP8) and NVFP4 GEMMs reach inside a step where the presets take
+    those efficiencies from the kernels measured in isolation (the part's power limit over
+    seconds of back-to-back GEMMs, collectives sharing SMs and HBM, the recipe's bookkeeping,
+    a training stack's slower kernels: MI300X's 0.316 of hipBLASLt's rate under ROCm's FP8
+    training of 2024); 1: as the kernels run. Serving iterations are short CUDA-graph launches
+    like the tables' own and keep 1 (fitted over the training corpus:
     ``stage_dse/validation/parameters.yaml``)."""
     fp4_gemm_efficiency: float = 0.0
     """Large FP4 GEMMs' fraction of the FP4 peak (0: ``FP4_GEMM_RATIO`` x gemm_efficiency)."""
