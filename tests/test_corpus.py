@@ -352,6 +352,29 @@ def test_a_parameter_only_the_held_out_source_touches_keeps_its_preset_value():
     assert np.isfinite(out["loso_err_pct"]).all()
 
 
+def test_a_source_no_fit_saw_is_predicted_with_the_last_fit():
+    """A source added after the last fit has no fold; the last fit was made without it, so its
+    parameters predict it held out. A source that fit saw but that has no fold (or one whose
+    cases the model cannot express) gets no held-out figure."""
+    from stage_dse.validation.fit import apply_folds
+
+    cases = _t1()[:3] + [c for c in CASES if c.source.id == "llama3_t4"][:1]
+    p = Parameter("gemm_efficiency/a100", ("gemm_efficiency",), 0.5, 0.93, hardware=("a100_80gb",))
+    problem = Problem(cases)
+    folds = {"llama3_t4": {p.name: 0.7}}
+    unseen = {"theta": {p.name: 0.6}, "fitted_sources": ["llama3_t4"]}
+    out = apply_folds(problem, [p], folds, unseen).set_index("case")
+    t1 = [c.id for c in cases if c.source.id == "narayanan2021_t1"]
+    expected = problem.subset(_t1()[:3]).evaluate([p], {p.name: 0.6}).set_index("case")
+    assert out.loc[t1, "loso_err_pct"].to_numpy() == pytest.approx(
+        expected.loc[t1, "err_pct"].to_numpy(), rel=1e-12
+    )
+    assert np.isfinite(out["loso_err_pct"]).all()
+    seen = {**unseen, "fitted_sources": ["llama3_t4", "narayanan2021_t1"]}
+    out = apply_folds(problem, [p], folds, seen).set_index("case")
+    assert np.isnan(out.loc[t1, "loso_err_pct"]).all()
+
+
 # ------------------------------------------------------------------------ the guard
 @pytest.fixture(scope="module")
 def validation():
@@ -363,8 +386,8 @@ def validation():
     out = {}
     prepared = Problem(CASES)
     for timing in ("roofline", "measured") if data_root() is not None else ("roofline",):
-        folds = recorded["timings"][timing]["folds"]
-        res = apply_folds(prepared.retimed(timing), params, folds)
+        held = recorded["timings"][timing]
+        res = apply_folds(prepared.retimed(timing), params, held["folds"], held.get("unseen"))
         out[timing] = group_summary(res).set_index("group")
     return recorded, out
 

@@ -116,8 +116,8 @@ def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
             fitted, res = leave_one_source_out(problem, params)
             fits[timing] = fitted
         else:
-            folds = recorded.get("timings", {}).get(timing, {}).get("folds", {})
-            res = apply_folds(problem, params, folds)
+            held = recorded.get("timings", {}).get(timing, {})
+            res = apply_folds(problem, params, held.get("folds", {}), held.get("unseen"))
         res["timing_run"] = timing
         parts.append(res)
     results = pd.concat(parts, ignore_index=True)
@@ -263,12 +263,24 @@ def _record(summaries: dict, fits: dict, recorded: dict) -> None:
                 )
                 if k in r and r[k] == r[k]
             }
+        # the fit itself and the sources it saw: a source added later is predicted with it
+        unseen = (
+            {
+                "theta": {k: float(f"{v:.5g}") for k, v in fits[timing].theta.items()},
+                "fitted_sources": sorted(fits[timing].folds),
+            }
+            if timing in fits
+            else old.get("unseen")
+        )
         out["timings"][timing] = {"groups": groups, "folds": folds}
+        if unseen:
+            out["timings"][timing]["unseen"] = unseen
     head = (
         "# Written by `stage-dse-validate --record` (folds by `--fit --record`): each group's\n"
         "# errors (%) on the packaged corpus, guarded by tests/test_corpus.py (a group's mean\n"
-        "# or leave-one-source-out error may not rise more than one point above these), and the\n"
-        "# parameters fitted without each source (the leave-one-source-out folds).\n"
+        "# or leave-one-source-out error may not rise more than one point above these), the\n"
+        "# parameters fitted without each source (the leave-one-source-out folds), and the last\n"
+        "# fit with the sources it saw (unseen: what predicts a source added since).\n"
     )
     recorded_path().write_text(head + yaml.safe_dump(out, sort_keys=False, width=100))
 

@@ -348,14 +348,24 @@ def _folds(problem: Problem, params, sources: list[str], workers: int | None) ->
         _SHARED = ()
 
 
-def apply_folds(problem: Problem, params: list[Parameter], folds: dict) -> pd.DataFrame:
+def apply_folds(
+    problem: Problem, params: list[Parameter], folds: dict, unseen: dict | None = None
+) -> pd.DataFrame:
     """Every case predicted with the recorded parameters fitted without its source
-    (``loso_err_pct``; NaN for a source without a recorded fold)."""
+    (``loso_err_pct``). ``unseen``: the parameters of the last fit (``theta``) and the sources
+    it saw (``fitted_sources``); a source added since has no fold of its own, and that fit is
+    one made without it, so it predicts the source held out by construction. NaN for a source
+    with neither (or none of whose cases the model can express)."""
     base = problem.evaluate()
     loso = pd.Series(np.nan, index=base["case"].to_numpy())
-    for source, theta in folds.items():
+    have = set(base.loc[base["status"].isin(("ok", "oom")), "source"])
+    thetas = dict(folds)
+    if unseen:
+        seen = set(unseen.get("fitted_sources", ()))
+        thetas.update({s: unseen["theta"] for s in sorted(have - set(folds) - seen)})
+    for source, theta in thetas.items():
         cases = [c for c in problem.cases if c.source.id == source]
-        if not cases:
+        if not cases or source not in have:
             continue
         held = problem.subset(cases).evaluate(params, theta)
         loso.loc[held["case"].to_numpy()] = held["err_pct"].to_numpy()
