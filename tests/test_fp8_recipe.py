@@ -1,6 +1,6 @@
 """FP8 scaling recipes (``training.fp8_recipe``): per-tensor, row-wise (torchao), row-wise with
-16-bit weight gradients, and MXFP8 block scales; their GEMM speeds, added kernels, kept
-activations, the errors that refuse them, and their rows in a results folder."""
+16-bit weight gradients, and MXFP8 block scales; their GEMM speeds (NVFP4's beside them), added
+kernels, kept activations, the errors that refuse them, and their rows in a results folder."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from stage_dse.results.schema import FP8_RECIPE_COLUMNS, config_hash
 from stage_dse.runner import LocalExecutor, SweepSpec, run_grid
 from stage_dse.runner.sweep import rows_of_run
 from stage_dse.search import SearchSpace
-from stage_dse.spec import ParallelPlan, TrainingSpec
+from stage_dse.spec import DType, ParallelPlan, TrainingSpec
 from stage_dse.trace.select import config_from_row
 
 H100 = load_hardware("h100_sxm")
@@ -42,7 +42,7 @@ def step(recipe: str = "tensorwise", gemm: str = "fp8", **kw) -> TrainingSpec:
     )
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", (*RECIPES, "nvfp4"))
 def test_each_recipe_times_the_linear_gemms_from_first_principles(recipe):
     """A compute-bound layer (no shape dependence, no launch cost or floors) on a Blackwell
     part, GEMM by GEMM: FP8 flops at the FP8 peak, divided by the recipe's kernel speed where
@@ -50,21 +50,28 @@ def test_each_recipe_times_the_linear_gemms_from_first_principles(recipe):
     per-tensor kernel); 16-bit weight gradients under rowwise_gw_hp; the quantize kernels of
     per-tensor scaling (3 bytes per element; MXFP8 writes a second copy: 4); under row-wise
     scales a rescale pass over every backward FP8 GEMM's output (4 bytes per element) and
-    quantize passes for the weight (input gradient) and both operands (weight gradient)."""
+    quantize passes for the weight (input gradient) and both operands (weight gradient).
+    ``nvfp4`` (``training.gemm_dtype=nvfp4``): FP4 flops at the FP4 peak, its quantize kernels
+    writing the row-wise and column-wise NVFP4 copies (2 + 2 x 0.5625 bytes per element); the
+    step share applies to FP8 and FP4 alike (0.8 here)."""
     model = gpt(layers=4, hidden=8192, heads=64)
     plan = ParallelPlan(dp=1, micro_batch_size=1)
     hw = dataclasses.replace(
         B200,
         gemm_half_dim=1e-9,
         fp8_gemm_half_dim=1e-9,
+        fp4_gemm_half_dim=1e-9,
         kernel_launch_s=0.0,
         elementwise_floor_s=0.0,
         rowwise_gemm_speed=0.6,
         mxfp8_gemm_speed=0.85,
+        fp8_step_efficiency=0.8,
     )
-    training = step(recipe)
+    training = step(gemm="nvfp4") if recipe == "nvfp4" else step(recipe)
     cluster = load_cluster("hgx_b200", num_gpus=1)
     values = {**bind(model, training, plan), **bind_hardware(hw, cluster)}
+    if recipe == "nvfp4":  # block scales: the MX flag; NVFP4's bytes, block scales included
+        assert values["fp8_mx"] == 1 and values["gemm_bytes"] == DType.NVFP4.bytes == 0.5625
     symbols = Symbols.all()
 
     def num(expr) -> float:
@@ -76,9 +83,12 @@ def test_each_recipe_times_the_linear_gemms_from_first_principles(recipe):
     # the FP8 tables' efficiency at the share a training step reaches of it
     fp8_rate = hw.peak_fp8_flops * hw.sustained_clock * hw.fp8_gemm_efficiency
     fp8_rate *= hw.fp8_step_efficiency
+    if recipe == "nvfp4":  # FP4 tensor cores, the same share of their tables' figure
+        fp8_rate = hw.peak_fp4_flops * hw.sustained_clock * hw.fp4_gemm_efficiency
+        fp8_rate *= hw.fp8_step_efficiency
     bf16_rate = hw.peak_flops * hw.sustained_clock * hw.gemm_efficiency
     rowwise = recipe in ("rowwise", "rowwise_gw_hp")
-    quantize_bytes = 4 if recipe == "mxfp8" else 3
+    quantize_bytes = {"mxfp8": 4, "nvfp4": 2 + 2 * 0.5625}.get(recipe, 3)
     expected = 0.0
     linear = [op for op in graph.ops if op.kind is OpKind.EINSUM and is_linear(op)]
     assert {op.phase for op in linear} == {Phase.FORWARD, Phase.BACKWARD}
