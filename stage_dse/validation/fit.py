@@ -364,10 +364,10 @@ def apply_folds(
         seen = set(unseen.get("fitted_sources", ()))
         thetas.update({s: unseen["theta"] for s in sorted(have - set(folds) - seen)})
     for source, theta in thetas.items():
-        cases = [c for c in problem.cases if c.source.id == source]
-        if not cases or source not in have:
+        if source not in have:  # not in this run, or none of its cases expressible
             continue
-        held = problem.subset(cases).evaluate(params, theta)
+        held = problem.subset([c for c in problem.cases if c.source.id == source])
+        held = held.evaluate(params, theta)
         loso.loc[held["case"].to_numpy()] = held["err_pct"].to_numpy()
     base["loso_err_pct"] = loso.loc[base["case"].to_numpy()].to_numpy()
     return base
