@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stage_dse.config import load_cluster, load_hardware, load_model
+from stage_dse.config import load_cluster, load_engine, load_hardware, load_model
 from stage_dse.cost.batching import continuous_batching
 from stage_dse.cost.requests import output_length_classes
 from stage_dse.cost.serving import evaluate_serving_table
@@ -211,6 +211,27 @@ def test_the_kv_cache_caps_the_running_requests():
     # capacity x bytes per sequence fits in what weights and the working set leave
     per_seq = evaluate_serving_table(table, keys).iloc[0]["serve_kv_cache_bytes"]
     assert big["cb_running"] * per_seq <= table["usable_memory"].iloc[0]
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.7, 1.0])
+def test_a_running_request_holds_its_prompt_half_its_output_and_the_engines_reserve(ratio):
+    # vLLM allocates blocks as tokens arrive (0), SGLang admits at its new-token ratio (0.7),
+    # TensorRT-LLM reserves the whole request (1, also what a table without the column gets)
+    table, keys = serving_rows(prompt=512, out=2048)
+    got = continuous_batching(table.assign(kv_reserve_ratio=ratio), keys, 100_000, 8192).iloc[0]
+    held = table.assign(output_tokens=2048 * (1 + ratio) / 2)
+    costs = evaluate_serving_table(held, keys).iloc[0]
+    free = table["usable_memory"].iloc[0] - costs["serve_weights_bytes"] - got["cb_working_bytes"]
+    assert got["cb_kv_capacity_seqs"] == np.floor(free / costs["serve_kv_cache_bytes"])
+    whole = continuous_batching(table, keys, 100_000, 8192).iloc[0]
+    assert load_engine("vllm").kv_reserve_ratio == 0.0
+    with pytest.raises(ConfigError, match=r"engine\.kv_reserve_ratio must be a fraction"):
+        load_engine("vllm", kv_reserve_ratio=1.5)
+    if ratio == 1.0:
+        assert got["cb_kv_capacity_seqs"] == whole["cb_kv_capacity_seqs"]
+    else:  # more requests fit, up to (512 + 2048) / (512 + 1024) times as many
+        assert whole["cb_kv_capacity_seqs"] < got["cb_kv_capacity_seqs"]
+        assert got["cb_kv_capacity_seqs"] <= whole["cb_kv_capacity_seqs"] * 2560 / 1536 + 1
 
 
 GIB = 2.0**30

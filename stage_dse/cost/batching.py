@@ -231,7 +231,10 @@ def continuous_batching(
 
     # the KV cache caps the running requests: per-sequence bytes from the decode layout,
     # memory left after the weights and the working set of the widest step
-    base = run(everyone, micro_batch=np.maximum(R, 1.0), **lengths)
+    # what a running request holds, averaged over its decode: its prompt, half its output and
+    # the engine's reserve for the other half (EngineSpec.kv_reserve_ratio; 1 without one)
+    held = decode_out * (1.0 + _column(table, "kv_reserve_ratio", 1.0)) / 2.0
+    base = run(everyone, micro_batch=np.maximum(R, 1.0), prompt=decode_prompt, output_tokens=held)
     widest_tokens = np.minimum(C, R * (np.maximum.reduce(prompts) + k + 1.0))
     widest = run(everyone, micro_batch=np.ones(n_rows), prompt=widest_tokens)
     per_seq = base["serve_kv_cache_bytes"].to_numpy() / np.maximum(R, 1.0)

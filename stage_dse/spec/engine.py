@@ -25,6 +25,27 @@ set leave; each sizes it by its own rule (``kv_memory_rule``, with ``kv_memory_f
 * ``free_fraction`` (TensorRT-LLM ``KvCacheConfig.free_gpu_memory_fraction``, 0.9 by default;
   ``trtllm-bench --kv_cache_free_gpu_mem_fraction``): that fraction of the memory free after
   the weights and the runtime's activation buffers.
+
+**KV-cache room per request** (``kv_reserve_ratio``). How many requests run at once when the
+pool is the limit depends on what each running request holds: its prompt and the tokens it
+has generated, plus what the engine keeps free for the tokens still to come:
+
+* vLLM allocates cache blocks as tokens arrive and preempts the newest running request when
+  a step's tokens find no free block (Kwon et al., "Efficient Memory Management for Large
+  Language Model Serving with PagedAttention", SOSP 2023, sec. 4, "Scheduling and
+  Preemption" in 4.5; the V1
+  scheduler's ``kv_cache_manager.allocate_slots`` per step, ``vllm/v1/core/sched/
+  scheduler.py``): ratio 0;
+* SGLang admits a prompt only if the pool also holds ``new_token_ratio`` times the remaining
+  ``max_new_tokens`` of every running request; the ratio starts at
+  ``SGLANG_INIT_NEW_TOKEN_RATIO`` (0.7) and decays over 600 decode steps towards 0.14 of it
+  (``python/sglang/srt/environ.py``): ratio 0.7, the rule a burst of requests meets;
+* TensorRT-LLM's default capacity scheduler policy, ``GUARANTEED_NO_EVICT`` ("guarantee that
+  a started request is never paused", performance tuning guide, "Useful Runtime Options"),
+  admits a request only if its whole maximum length fits: ratio 1.
+
+A request holds, averaged over its decode, its prompt, half its output and ``ratio`` times
+the other half.
 """
 
 from __future__ import annotations
@@ -56,6 +77,10 @@ class EngineSpec:
     kv_memory_rule: str = "usable"
     """How the engine sizes its KV-cache pool (module docstring): ``usable``,
     ``total_fraction``, ``static_reserve`` or ``free_fraction``."""
+    kv_reserve_ratio: float = 1.0
+    """Share of a running request's remaining output tokens the engine keeps KV-cache room
+    for (module docstring, *KV-cache room per request*): 1 reserves the whole request up
+    front, 0 allocates blocks as tokens arrive."""
     kv_memory_fraction: float = 1.0
     """The rule's fraction (``gpu_memory_utilization``, ``mem_fraction_static`` when stated,
     ``free_gpu_memory_fraction``); unused by ``usable`` and by a default ``static_reserve``."""
@@ -97,6 +122,12 @@ class EngineSpec:
                 f"engine.kv_memory_rule must be one of {', '.join(KV_MEMORY_RULES)}, "
                 f"got {self.kv_memory_rule!r}"
             )
+        v = self.kv_reserve_ratio
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1):
+            raise ConfigError(
+                f"engine.kv_reserve_ratio must be a fraction in [0, 1] (0: blocks allocated "
+                f"as tokens arrive, 1: whole request reserved), got {v!r}"
+            )
         v = self.kv_memory_fraction
         if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
             raise ConfigError(
@@ -122,12 +153,13 @@ class EngineSpec:
     def cost_columns(self) -> dict[str, float]:
         """The table columns of what this engine adds to each continuous-batching step
         (:func:`stage_dse.cost.batching.continuous_batching` reads them): ``step_overhead_s``,
-        ``request_overhead_s`` and ``dp_context_sync`` (1.0 when attention ranks run their
-        prompts together)."""
+        ``request_overhead_s``, ``dp_context_sync`` (1.0 when attention ranks run their
+        prompts together) and ``kv_reserve_ratio``."""
         return {
             "step_overhead_s": self.step_overhead_s,
             "request_overhead_s": self.request_overhead_s,
             "dp_context_sync": float(self.dp_context_sync),
+            "kv_reserve_ratio": float(self.kv_reserve_ratio),
         }
 
     def kv_pool_columns(
