@@ -16,6 +16,7 @@ from stage_dse.cost.requests import output_length_classes
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 from stage_dse.runner.serving import serving_row
+from stage_dse.spec import DType
 from stage_dse.spec.serving import ServingSpec
 
 
@@ -232,6 +233,28 @@ def test_a_running_request_holds_its_prompt_half_its_output_and_the_engines_rese
     else:  # more requests fit, up to (512 + 2048) / (512 + 1024) times as many
         assert whole["cb_kv_capacity_seqs"] < got["cb_kv_capacity_seqs"]
         assert got["cb_kv_capacity_seqs"] <= whole["cb_kv_capacity_seqs"] * 2560 / 1536 + 1
+
+
+def test_fp8_prefill_attention_speeds_up_prefill_attention_only():
+    table, keys = serving_rows(model="llama3_70b", tp=8, prompt=16_384, out=256)
+    slow = evaluate_serving_table(table, keys).iloc[0]
+    fast = evaluate_serving_table(table.assign(context_attention_speed=2.0), keys).iloc[0]
+    attention = slow["serve_prefill_attention_s"]
+    assert fast["serve_prefill_attention_s"] == pytest.approx(attention / 2)
+    assert fast["serve_ttft_s"] == pytest.approx(slow["serve_ttft_s"] - attention / 2)
+    assert fast["serve_tpot_s"] == slow["serve_tpot_s"]
+    # TensorRT-LLM on FP8 layers or an FP8 cache, at the GPU's measured FP8 attention speedup
+    trt, vllm = load_engine("trtllm"), load_engine("vllm")
+    fp8, bf16 = DType.FP8, DType.BF16
+    h100 = load_hardware("h100_sxm").fp8_attention_speedup
+    assert h100 > 1.0 == load_hardware("a100_80gb").fp8_attention_speedup
+    assert trt.context_attention_speed(fp8, bf16, h100) == h100
+    assert trt.context_attention_speed(bf16, fp8, h100) == h100
+    assert trt.context_attention_speed(DType.NVFP4, bf16, h100) == h100
+    assert trt.context_attention_speed(bf16, bf16, h100) == 1.0
+    assert vllm.context_attention_speed(fp8, fp8, h100) == 1.0
+    with pytest.raises(ConfigError, match=r"hardware\.fp8_attention_speedup must be"):
+        load_hardware("h100_sxm", fp8_attention_speedup=0.5)
 
 
 GIB = 2.0**30

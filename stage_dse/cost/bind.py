@@ -51,6 +51,7 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         "context": training.seq_len,
         "prompt": training.seq_len,
         "output_tokens": 1,
+        "context_attention_speed": 1.0,
     }
 
 

@@ -247,9 +247,16 @@ def _program(key: ServingKey, measured: bool):
                 t += n_win * (win[field] - blk[field])
             return t + (n_dense * dns[field] if dns is not None else 0)
 
+        attention = total("attention_time")
+        time = total("time")
+        # an engine's FP8 prefill attention (EngineSpec); measured tables of an FP8 cache's
+        # prefill attention time that kernel already
+        if mode == "prefill" and not (measured and key.kv_bytes == 1):
+            time = time - attention + attention / S.context_attention_speed
+            attention = attention / S.context_attention_speed
         passes[mode] = {
-            "time": lazy_xreplace((total("time") + (pp - 1) * hop), subs),
-            "attention_time": lazy_xreplace(total("attention_time"), subs),
+            "time": lazy_xreplace((time + (pp - 1) * hop), subs),
+            "attention_time": lazy_xreplace(attention, subs),
             "expert_time": lazy_xreplace(total("expert_time"), subs),
             "memory_time": lazy_xreplace((total("memory_time") / pp), subs),
             "compute_time": lazy_xreplace((total("compute_time") / pp), subs),

@@ -175,6 +175,9 @@ class Symbols:
     fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
     fp4_gemm_half_dim = _real("fp4_gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
+    context_attention_speed = _real("context_attention_speed")
+    """Serving: prefill attention's speed over the 16-bit kernel's (an engine's FP8 attention,
+    ``EngineSpec.context_attention_speed``; 1 otherwise)."""
     memory_efficiency = _real("memory_efficiency")
     kernel_launch_s = _real("kernel_launch_s")
     host_op_s = _nonneg("host_op_s")

@@ -261,6 +261,9 @@ def recommend(
         raise _none_buildable(model, tps, eps, rejected)
     for name, value in engine.cost_columns().items():
         table[name] = value
+    table["context_attention_speed"] = engine.context_attention_speed(
+        base.weights_dtype, base.kv_dtype, hardware.fp8_attention_speedup
+    )
     ranks = table["tp"].to_numpy() * table["pp"].to_numpy()
     for name, values in _pool_columns(engine, hardware, ranks).items():
         table[name] = values
@@ -383,6 +386,10 @@ def _disaggregated(
     batch per rank up to the running cap and the KV capacity), every pair, sized to the
     target."""
     pre_t, pre_k, pre_m, _ = _layouts(model, base, pre_hw, cluster, tps, eps, (1,))
+    if len(pre_t):
+        pre_t["context_attention_speed"] = engine.context_attention_speed(
+            base.weights_dtype, base.kv_dtype, pre_hw.fp8_attention_speedup
+        )
     one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,))
     one = evaluate_serving_table(one_t, one_k, timing=measured)
 

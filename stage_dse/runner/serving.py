@@ -145,6 +145,9 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "request_mix": mix_label,
                 "engine": spec.engine.name,
                 **spec.engine.cost_columns(),
+                "context_attention_speed": spec.engine.context_attention_speed(
+                    serving.weights_dtype, serving.kv_dtype, hw.fp8_attention_speedup
+                ),
                 **spec.engine.kv_pool_columns(hw.hbm_bytes, tp * pp),
                 "clients": float(spec.clients) if continuous else np.nan,
                 "burst": float(spec.burst) if continuous else np.nan,

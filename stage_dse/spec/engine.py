@@ -46,6 +46,14 @@ has generated, plus what the engine keeps free for the tokens still to come:
 
 A request holds, averaged over its decode, its prompt, half its output and ``ratio`` times
 the other half.
+
+**FP8 prefill attention** (``fp8_context_attention``). TensorRT-LLM's attention op runs its
+context (prefill) kernels in FP8 when the attention output feeds an FP8 or FP4 projection or
+the KV cache is FP8 with paged context attention (``mFP8ContextFMHA``,
+``cpp/tensorrt_llm/thop/attentionOp.cpp``, the PyTorch backend's default path since 1.0; the
+older TensorRT engine flow left it to the ``use_fp8_context_fmha`` build flag, off by default).
+Such a kernel runs ``HardwareSpec.fp8_attention_speedup`` times as fast as the 16-bit one,
+measured per GPU (:meth:`EngineSpec.context_attention_speed`).
 """
 
 from __future__ import annotations
@@ -77,6 +85,10 @@ class EngineSpec:
     kv_memory_rule: str = "usable"
     """How the engine sizes its KV-cache pool (module docstring): ``usable``,
     ``total_fraction``, ``static_reserve`` or ``free_fraction``."""
+    fp8_context_attention: bool = False
+    """Prefill attention runs on the FP8 tensor cores (queries, keys and values quantized) when
+    the linear layers are FP8 or FP4 or the KV cache is FP8 (module docstring, *FP8 prefill
+    attention*)."""
     kv_reserve_ratio: float = 1.0
     """Share of a running request's remaining output tokens the engine keeps KV-cache room
     for (module docstring, *KV-cache room per request*): 1 reserves the whole request up
@@ -134,6 +146,7 @@ class EngineSpec:
                 f"engine.kv_memory_fraction must be a fraction in (0, 1] (e.g. 0.9), got {v!r}"
             )
         for field in (
+            "fp8_context_attention",
             "dp_attention_splits_budget",
             "dp_attention_splits_running",
             "running_limit_per_stage",
@@ -161,6 +174,13 @@ class EngineSpec:
             "dp_context_sync": float(self.dp_context_sync),
             "kv_reserve_ratio": float(self.kv_reserve_ratio),
         }
+
+    def context_attention_speed(self, weights_dtype, kv_dtype, fp8_speedup: float) -> float:
+        """How much faster this engine's prefill attention runs than the 16-bit kernel: 1, or
+        with FP8 prefill attention on FP8 or FP4 linear layers or an FP8 cache, the GPU's
+        ``fp8_attention_speedup``."""
+        quantized = weights_dtype.value == "fp8" or weights_dtype.is_fp4 or kv_dtype.value == "fp8"
+        return float(fp8_speedup) if self.fp8_context_attention and quantized else 1.0
 
     def kv_pool_columns(
         self,

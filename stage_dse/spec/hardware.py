@@ -117,6 +117,9 @@ class HardwareSpec:
     fp4_gemm_half_dim: float = 0.0
     """The same for FP4 GEMMs (0: ``fp8_gemm_half_dim``)."""
     attention_efficiency: float = 0.6
+    fp8_attention_speedup: float = 1.0
+    """Prefill attention on an FP8 KV cache over the 16-bit kernel, where an engine runs it in
+    FP8 (``EngineSpec.fp8_context_attention``); 1: no faster (no FP8 attention kernels)."""
     memory_efficiency: float = 0.8
     kernel_launch_s: float = 0.0
     """Fixed cost added per kernel, seconds (launch gaps; 0 under CUDA graphs)."""
@@ -172,6 +175,13 @@ class HardwareSpec:
             "rowwise_gemm_speed",
         ):
             _fraction(owner, f, getattr(self, f))
+        if not (
+            isinstance(self.fp8_attention_speedup, int | float) and self.fp8_attention_speedup >= 1
+        ):
+            raise ConfigError(
+                f"hardware.fp8_attention_speedup must be a number >= 1 (1: no FP8 attention), "
+                f"got {self.fp8_attention_speedup!r}"
+            )
         if not self.fp8_gemm_efficiency:
             object.__setattr__(
                 self, "fp8_gemm_efficiency", round(FP8_GEMM_RATIO * self.gemm_efficiency, 4)
