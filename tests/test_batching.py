@@ -257,6 +257,27 @@ def test_fp8_prefill_attention_speeds_up_prefill_attention_only():
         load_hardware("h100_sxm", fp8_attention_speedup=0.5)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_kv_bound_rows_reported_cache_is_what_its_running_requests_hold(ratio):
+    from stage_dse.runner.serving import _continuous
+
+    table, keys = serving_rows(model="qwen3_32b", prompt=512, out=2048)
+    hbm = load_hardware("h100_sxm").hbm_bytes
+    loads = dict.fromkeys(("arrival_rate", "draft_tokens", "acceptance", "clients", "burst"), 0.0)
+    t = table.assign(
+        micro_batch=100_000.0,
+        prefill_budget=8192.0,
+        kv_reserve_ratio=ratio,
+        **loads,
+        **load_engine("vllm").kv_pool_columns(hbm, 1),
+    )
+    out = _continuous(t, keys, evaluate_serving_table(t, keys)).iloc[0]
+    # bound by the pool (0.9 of the GPU for weights, activations and cache), not by requests
+    assert out["serve_kv_capacity_seqs"] < 100_000
+    assert out["serve_mem_total_bytes"] <= 0.9 * hbm * (1 + 1e-9)
+    assert out["serve_mem_headroom_bytes"] >= 0
+
+
 GIB = 2.0**30
 
 

@@ -7,7 +7,13 @@ from stage_dse.config.presets import list_presets
 from stage_dse.spec import ModelSpec
 from stage_dse.validation.corpus import Case, CorpusError
 
-__all__ = ["Unexpressible", "case_model", "check_expressible", "result_base"]
+__all__ = [
+    "Unexpressible",
+    "case_model",
+    "check_expressible",
+    "result_base",
+    "tensorrt_engine_flow",
+]
 
 
 class Unexpressible(Exception):
@@ -50,3 +56,15 @@ def result_base(case: Case, timing: str) -> dict:
         "published": case.value,
         "timing": timing,
     }
+
+
+def tensorrt_engine_flow(fields: dict) -> bool:
+    """A TensorRT-LLM record before 1.0 that does not name the PyTorch backend: the TensorRT
+    engine flow, whose FP8 prefill attention was the ``use_fp8_context_fmha`` build flag, off
+    by default (``EngineSpec.fp8_context_attention`` describes the PyTorch backend)."""
+    version = str(fields.get("engine_version", "")).lower()
+    return (
+        fields.get("engine") == "trtllm"
+        and version.startswith(("0.", "v0."))
+        and "pytorch" not in version
+    )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -50,6 +49,7 @@ from stage_dse.validation.resolve import (
     case_model,
     check_expressible,
     result_base,
+    tensorrt_engine_flow,
 )
 
 __all__ = ["Prepared", "evaluate_serving", "prepare"]
@@ -146,6 +146,7 @@ def _row(case: Case):
         )
     except ConfigError as exc:  # a fraction read from the record's command
         raise CorpusError(f"{case.source.file}: run {case.id.split(VARIANT)[0]}: {exc}") from None
+    speedup = 1.0 if tensorrt_engine_flow(f) else hw.fp8_attention_speedup
     row.update(
         {
             "tuned_max_batch": tuned[0],
@@ -154,10 +155,8 @@ def _row(case: Case):
             **engine.cost_columns(),
             # the record's attention_dp_config.enable_balance (TensorRT-LLM), else the engine's
             "dp_context_sync": float(f.get("attention_dp_balance", engine.dp_context_sync)),
-            "context_attention_speed": 1.0
-            if _tensorrt_engine_flow(f)
-            else engine.context_attention_speed(
-                serving.weights_dtype, serving.kv_dtype, hw.fp8_attention_speedup
+            "context_attention_speed": engine.context_attention_speed(
+                serving.weights_dtype, serving.kv_dtype, speedup
             ),
             "draft_tokens": float(drafts),
             "acceptance": acceptance,
@@ -165,18 +164,6 @@ def _row(case: Case):
         }
     )
     return row, key
-
-
-def _tensorrt_engine_flow(f: dict) -> bool:
-    """A TensorRT-LLM release before 1.0 whose record does not say it ran the PyTorch backend:
-    the TensorRT engine flow, whose FP8 prefill attention was a build flag
-    (``use_fp8_context_fmha``), off by default."""
-    version = str(f.get("engine_version", ""))
-    return (
-        f.get("engine") == "trtllm"
-        and re.match(r"v?0\.", version) is not None
-        and "pytorch" not in version.lower()
-    )
 
 
 _FRACTION_FLAGS = {
