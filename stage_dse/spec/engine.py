@@ -32,10 +32,9 @@ has generated, plus what the engine keeps free for the tokens still to come:
 
 * vLLM allocates cache blocks as tokens arrive and preempts the newest running request when
   a step's tokens find no free block (Kwon et al., "Efficient Memory Management for Large
-  Language Model Serving with PagedAttention", SOSP 2023, sec. 4, "Scheduling and
-  Preemption" in 4.5; the V1
-  scheduler's ``kv_cache_manager.allocate_slots`` per step, ``vllm/v1/core/sched/
-  scheduler.py``): ratio 0;
+  Language Model Serving with PagedAttention", SOSP 2023, sec. 4.5 "Scheduling and
+  Preemption"; the V1 scheduler's ``kv_cache_manager.allocate_slots`` each step,
+  ``vllm/v1/core/sched/scheduler.py``): ratio 0;
 * SGLang admits a prompt only if the pool also holds ``new_token_ratio`` times the remaining
   ``max_new_tokens`` of every running request; the ratio starts at
   ``SGLANG_INIT_NEW_TOKEN_RATIO`` (0.7) and decays over 600 decode steps towards 0.14 of it
