@@ -99,7 +99,7 @@ from stage_dse.cost.requests import LENGTH_CLASSES, mix_classes, output_length_c
 from stage_dse.cost.serving import evaluate_serving_table
 from stage_dse.errors import ConfigError
 
-__all__ = ["continuous_batching", "draft_acceptance", "kv_pool_bytes"]
+__all__ = ["continuous_batching", "draft_acceptance", "held_output_tokens", "kv_pool_bytes"]
 
 _BISECT = 60  # halvings of the saturated rate's bracket (cheap arithmetic, no evaluation)
 _FIXED_POINT = 10  # regula falsi iterations of the open-loop rate (each a few evaluations)
@@ -231,9 +231,7 @@ def continuous_batching(
 
     # the KV cache caps the running requests: per-sequence bytes from the decode layout,
     # memory left after the weights and the working set of the widest step
-    # what a running request holds, averaged over its decode: its prompt, half its output and
-    # the engine's reserve for the other half (EngineSpec.kv_reserve_ratio; 1 without one)
-    held = decode_out * (1.0 + _column(table, "kv_reserve_ratio", 1.0)) / 2.0
+    held = held_output_tokens(decode_out, _column(table, "kv_reserve_ratio", 1.0))
     base = run(everyone, micro_batch=np.maximum(R, 1.0), prompt=decode_prompt, output_tokens=held)
     widest_tokens = np.minimum(C, R * (np.maximum.reduce(prompts) + k + 1.0))
     widest = run(everyone, micro_batch=np.ones(n_rows), prompt=widest_tokens)
@@ -555,6 +553,13 @@ def draft_acceptance(accepted_length: float, draft_tokens: int) -> float:
         gain = sum(mid**j for j in range(k + 1))
         lo, hi = (mid, hi) if gain < accepted_length else (lo, mid)
     return min(0.5 * (lo + hi), 1.0 - 1e-9)
+
+
+def held_output_tokens(output_tokens, reserve_ratio):
+    """Output tokens whose KV cache a running request holds, averaged over its decode: half its
+    output and the engine's reserve for the other half (``EngineSpec.kv_reserve_ratio``: 1,
+    the whole request reserved from admission; 0, blocks allocated as tokens arrive)."""
+    return output_tokens * (1.0 + reserve_ratio) / 2.0
 
 
 def _at(lengths: dict, rows) -> dict:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from stage_dse.cost.batching import continuous_batching
+from stage_dse.cost.batching import continuous_batching, held_output_tokens
 from stage_dse.cost.columns import SERVING_COLUMNS
 from stage_dse.cost.serving import ServingTiming, evaluate_serving_table, serving_key
 from stage_dse.cost.table import config_row
@@ -276,12 +276,11 @@ def _continuous(
     )
     # the static program holds pp batches of micro_batch in flight: a sequence's cache on a GPU
     per_seq = static["serve_kv_cache_bytes"] / (table["micro_batch"] * table["pp"])
-    # what a running request holds on average: its prompt, half its output and the engine's
-    # reserve for the other half (EngineSpec.kv_reserve_ratio; the whole request without one)
+    # what a running request holds on average under the engine's reservation rule
     if "kv_reserve_ratio" in table:
         p, o = table["prompt"].astype(float), table["output_tokens"].astype(float)
-        reserve = table["kv_reserve_ratio"].astype(float).fillna(1.0)
-        per_seq = per_seq * (p + o * (1.0 + reserve) / 2.0) / (p + o)
+        held = held_output_tokens(o, table["kv_reserve_ratio"].astype(float).fillna(1.0))
+        per_seq = per_seq * (p + held) / (p + o)
     running = cb["cb_running"].fillna(0.0)
     out["serve_kv_cache_bytes"] = running * per_seq
     out["serve_working_bytes"] = cb["cb_working_bytes"]  # the widest engine step's
