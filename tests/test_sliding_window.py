@@ -48,7 +48,7 @@ def test_layer_pattern():
     [
         ({"sliding_window": -1}, r"model\.sliding_window must be >= 0"),
         ({"full_attention_interval": -2}, r"model\.full_attention_interval must be >= 0"),
-        ({"sliding_window": 0}, r"full_attention_interval\(2\) needs sliding_window > 0"),
+        ({"sliding_window": 0}, r"interval\(2\) needs sliding_window or attention_chunk_size"),
         ({"full_attention_interval": 1}, r"full_attention_interval\(1\) leaves no windowed"),
         ({"full_attention_interval": 7}, r"full_attention_interval\(7\) must be <= num_layers"),
         ({"sliding_window": 1.5}, r"model\.sliding_window must be >= 0 \(an integer\)"),

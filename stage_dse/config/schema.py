@@ -79,6 +79,7 @@ class ModelConf:
     v_head_dim: int = 0
     sliding_window: int = 0
     full_attention_interval: int = 0
+    attention_chunk_size: int = 0
     sparse_attention_topk: int = 0
     indexer_heads: int = 0
     indexer_head_dim: int = 0

@@ -130,7 +130,7 @@ def moe_values(model: ModelSpec) -> dict[str, float]:
         "topk_tokens": model.sparse_attention_topk or 1,
         "index_heads": model.indexer_heads or 1,
         "index_dim": model.indexer_head_dim or 1,
-        "window": model.sliding_window or 1,
+        "window": model.sliding_window or model.attention_chunk_size or 1,
         "full_interval": model.full_attention_interval or model.num_layers + 1,
         "q_lora": model.q_lora_rank or 1,
         "kv_lora": model.kv_lora_rank or 1,

@@ -74,6 +74,7 @@ MODEL_KEY_COLUMNS = (
     "mla",
     "sliding_window",
     "sparse_attention",
+    "chunked_attention",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -110,16 +111,8 @@ def key_from_values(v: dict) -> CostKey:
         return _key_of(tuple(map(v.__getitem__, KEY_COLUMNS)))
     except KeyError:  # tables written before these were columns
         pass
-    optional = dict.fromkeys(
-        (
-            "zero_sync_per_tensor",
-            "ep_over_tp",
-            "grad_sync_per_step",
-            "ep_dispatch_dedup",
-            "moe_weighted_activation",
-        ),
-        False,
-    )
+    late = ("zero_sync_per_tensor", "ep_over_tp", "grad_sync_per_step", "ep_dispatch_dedup")
+    optional = dict.fromkeys((*late, "moe_weighted_activation", "chunked_attention"), False)
     optional["fused_elementwise"] = True
     optional["dp_replicate"] = 1
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
@@ -150,6 +143,7 @@ def _key_of(values: tuple) -> CostKey:
         grad_sync_per_step=bool(v["grad_sync_per_step"]),
         mla=bool(v["mla"]),
         sliding_window=bool(v["sliding_window"]),
+        chunked_attention=bool(v["chunked_attention"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
         moe_weighted_activation=bool(v["moe_weighted_activation"]),
@@ -189,6 +183,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "has_dense_layers": model.has_dense_layers,
         "mla": model.is_mla,
         "sliding_window": model.has_sliding_window,
+        "chunked_attention": model.has_chunked_attention,
         "sparse_attention": model.has_sparse_attention,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,

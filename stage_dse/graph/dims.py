@@ -10,7 +10,25 @@ from stage_dse.graph.ir import Axis
 from stage_dse.graph.key import GraphKey, graph_key
 from stage_dse.graph.symbols import S
 
-__all__ = ["DIMS", "GraphKey", "graph_key"]
+__all__ = ["DIMS", "GraphKey", "chunked_decode_keys", "chunked_keys", "graph_key"]
+
+
+def chunked_keys(positions: sp.Expr, chunk: sp.Expr) -> sp.Expr:
+    """Keys the queries at positions ``0 .. x - 1`` of a chunked-attention layer read
+    together, each its aligned chunk up to itself (``p mod chunk + 1``): ``n chunk (chunk +
+    1) / 2 + r (r + 1) / 2`` with ``n = floor(x / chunk)`` whole chunks and ``r`` positions
+    into the last (``x (x + 1) / 2``, causal, while ``x <= chunk``)."""
+    n = sp.floor(positions / chunk)
+    r = positions - n * chunk
+    return n * chunk * (chunk + 1) / 2 + r * (r + 1) / 2
+
+
+def chunked_decode_keys(prompt: sp.Expr, output: sp.Expr, chunk: sp.Expr) -> sp.Expr:
+    """Keys a decode step of a chunked-attention layer reads, the mean over the request's
+    output positions ``prompt .. prompt + output - 1``: the chunk's positions so far, so a
+    decode that stays in one chunk reads its offset into it and one that runs through many
+    chunks half a chunk on average."""
+    return (chunked_keys(prompt + output, chunk) - chunked_keys(prompt, chunk)) / output
 
 
 class DIMS:
@@ -34,6 +52,11 @@ class DIMS:
     index_dim = Axis("id", S.index_dim)
     window_context = Axis("t", sp.Min(S.context, S.window))
     """Serving, a sliding-window layer in decode: the positions it caches and attends to."""
+    chunk_context = Axis(
+        "t", sp.Min(S.context, chunked_decode_keys(S.prompt, S.output_tokens, S.window))
+    )
+    """Serving, a chunked-attention layer in decode (``window``: the chunk): the cached
+    positions it reads, those of its current chunk (:func:`chunked_decode_keys`)."""
     last = Axis("one", sp.Integer(1))
     """Serving: the one position whose logits are computed."""
     experts = Axis("e", S.experts)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import sympy as sp
 
+from stage_dse.graph.dims import chunked_keys
 from stage_dse.graph.ir import (
     ADD,
     CROSS_ENTROPY,
@@ -32,7 +33,13 @@ from stage_dse.graph.ir import (
 from stage_dse.graph.layout import LayoutOps
 from stage_dse.spec.plan import MeshAxis
 
-__all__ = ["ATTENTION_TILE", "ForwardOps", "banded_fraction", "causal_fraction"]
+__all__ = [
+    "ATTENTION_TILE",
+    "ForwardOps",
+    "banded_fraction",
+    "causal_fraction",
+    "chunked_fraction",
+]
 
 ATTENTION_TILE = 128
 """Query/key block of fused attention kernels: FlashAttention-2 uses 128 x 128 tiles for
@@ -53,6 +60,14 @@ def banded_fraction(seq: sp.Expr, window: sp.Expr, tile: int = ATTENTION_TILE) -
     of the band, as it skips those above the diagonal), so ``(window + tile) / seq``, never
     more than the causal share (:func:`causal_fraction`)."""
     return sp.Min(causal_fraction(seq, tile), (window + tile) / seq, evaluate=False)
+
+
+def chunked_fraction(seq: sp.Expr, chunk: sp.Expr, tile: int = ATTENTION_TILE) -> sp.Expr:
+    """Share of the ``seq x seq`` score tiles a causal kernel with chunked attention computes:
+    a query reaches back to the start of its aligned chunk (:func:`stage_dse.graph.dims.
+    chunked_keys` keys in all), a band of that mean reach plus the diagonal tile
+    (:func:`banded_fraction`); the causal share while ``seq <= chunk``."""
+    return banded_fraction(seq, chunked_keys(seq, chunk) / seq, tile)
 
 
 class ForwardOps(LayoutOps):
@@ -334,13 +349,16 @@ class ForwardOps(LayoutOps):
         *,
         causal: bool = False,
         window: sp.Expr | None = None,
+        chunk: sp.Expr | None = None,
     ) -> Tensor:
         """Fused attention kernel: o = softmax(q k^T) v without materializing scores.
 
         Keys and values are needed whole along the key sequence (context parallel ring exchange
         gathers them). Saves q, k, v, o and the fp32 log-sum-exp; backward reruns q k^T.
         ``causal``: the kernel skips key tiles above the diagonal (:func:`causal_fraction`);
-        with a sliding ``window`` also those left of the band (:func:`banded_fraction`).
+        with a sliding ``window`` also those left of the band (:func:`banded_fraction`); with
+        chunked attention (``chunk``) those before each query's chunk
+        (:func:`chunked_fraction`).
         """
         k_layout = [() if ax == seq_k else ms for ax, ms in zip(k.axes, k.layout)]
         v_layout = [() if ax == seq_k else ms for ax, ms in zip(v.axes, v.layout)]
@@ -382,6 +400,8 @@ class ForwardOps(LayoutOps):
                 executed_fraction=(
                     sp.Integer(1)
                     if not causal
+                    else chunked_fraction(seq_q.extent, chunk)
+                    if chunk is not None
                     else causal_fraction(seq_q.extent)
                     if window is None
                     else banded_fraction(seq_q.extent, window)

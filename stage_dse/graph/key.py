@@ -52,6 +52,9 @@ class GraphKey:
     sliding_window: bool = False
     """Some layers attend over a sliding window (a windowed block section;
     :func:`stage_dse.graph.layers.windowed_layers_among` counts them)."""
+    chunked_attention: bool = False
+    """Some layers attend within aligned chunks (``ModelSpec.attention_chunk_size``; the
+    windowed block section, with the whole cache kept)."""
     sparse_attention: bool = False
     """DeepSeek Sparse Attention: a lightning indexer, and latent attention over the top-k
     tokens it selects (serving graphs; training graphs keep dense attention)."""
@@ -97,6 +100,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         grad_sync_per_step=plan.grad_sync_per_step,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,
+        chunked_attention=model.has_chunked_attention,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
         moe_weighted_activation=plan.moe_weighted_activation,

@@ -90,7 +90,8 @@ class Symbols:
     """The lightning indexer's heads and head width (``indexer_heads``, ``indexer_head_dim``)."""
     # sliding-window attention (bound to 1 for other models, where they do not appear)
     window = _sym("window")
-    """Positions a windowed attention layer attends to and caches (``sliding_window``)."""
+    """Positions a windowed attention layer attends to and caches (``sliding_window``), or
+    the chunk a chunked-attention layer attends within (``attention_chunk_size``)."""
     full_interval = _sym("full_interval")
     """Every ``full_interval``-th layer attends over the whole context, the others over the
     window (``full_attention_interval``; ``layers + 1`` when every layer is windowed)."""

@@ -13,7 +13,6 @@ in :class:`GraphKey`; every size is a symbol.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import sympy as sp
@@ -39,6 +38,7 @@ from stage_dse.graph.ir import (
     Scope,
     Tensor,
 )
+from stage_dse.graph.sections import ModelGraphs
 from stage_dse.graph.symbols import S
 from stage_dse.spec import (
     AttentionKernel,
@@ -63,32 +63,6 @@ BATCH = (DP, EP)
 """The batch is split over every data-parallel rank (EP is a factor of the data-parallel size).
 Under hybrid sharding DS takes DP's place in these and the batch is split over DR too, where
 the states' replicas live (:meth:`_Builder.hybrid`)."""
-
-
-@dataclass(frozen=True)
-class ModelGraphs:
-    key: GraphKey
-    embed: Graph
-    block: Graph
-    head: Graph
-    boundary: Tensor
-    """Activation passed between pipeline stages (per micro-batch), in its layout."""
-    tied_head_weight: Tensor | None
-    """The head's copy of the word embeddings when they are tied (not a separate parameter)."""
-    dense: Graph | None = None
-    """A dense-MLP layer of a mixture-of-experts model that has some (leading or interleaved)."""
-    windowed: Graph | None = None
-    """A layer like ``block`` whose attention runs over the sliding window, in a model that has
-    one. Not one of :attr:`sections`: the cost programs add, per windowed layer, what the
-    window changes (``windowed - block``: attention and the KV cache; the MLPs cancel), so
-    windowed dense-MLP and MoE layers alike are counted."""
-
-    @property
-    def sections(self) -> tuple[Graph, ...]:
-        """embed, [dense layer,] layer, head: in pipeline order."""
-        if self.dense is not None:
-            return self.embed, self.dense, self.block, self.head
-        return self.embed, self.block, self.head
 
 
 class _Builder:
@@ -404,8 +378,9 @@ class _Builder:
         fused kernel skips the tiles outside the band, :func:`stage_dse.graph.forward.
         banded_fraction`; an unfused one computes every score and masks them, as eager
         implementations do; in decode the layer caches and reads at most ``window``
-        positions). Attention sinks (gpt-oss: one learned logit per head joining the
-        softmax's denominator) are ``heads`` parameters and a term per row: not modelled."""
+        positions; chunked attention: within each query's chunk of ``window``, the whole
+        context cached, in decode the current chunk read in place). Attention sinks (gpt-oss:
+        one learned logit per head in the softmax) are ``heads`` parameters: not modelled."""
         g = self.g
         Bt, Sq, Tk, H = DIMS.batch, DIMS.seq, DIMS.kseq, DIMS.hidden
         G, R, D = DIMS.groups, DIMS.rep, DIMS.head_dim
@@ -437,12 +412,19 @@ class _Builder:
                 if self.k.position is PositionKind.ROPE:
                     q = g.pointwise(ROPE, "q_rope", q)
                     k = g.pointwise(ROPE, "k_rope", k)
-                band = S.window if windowed else None
+                chunked = windowed and self.k.chunked_attention
+                band, chunk = (
+                    (None, S.window) if chunked else (S.window if windowed else None, None)
+                )
                 if self.serving:
                     Tk = DIMS.context
-                    if windowed and self.serving == "decode":
+                    if windowed and self.serving == "decode" and not chunked:
                         Tk, band = DIMS.window_context, None
                     k, v = self.kv_cache(k, v, Tk)
+                    if chunked and self.serving == "decode":  # the current chunk, in place
+                        Tk, chunk = DIMS.chunk_context, None
+                        k = g.select("k_chunk", k, [Bt, Tk, G, D], Role.ACTIVATION)
+                        v = g.select("v_chunk", v, [Bt, Tk, G, D], Role.ACTIVATION)
                 with g.region(Region.ATTENTION_CORE):
                     if self.k.attention.fused:
                         ctx = g.attention(
@@ -456,6 +438,7 @@ class _Builder:
                             [Bt, G, R, Sq],
                             causal=self.serving != "decode",
                             window=band,
+                            chunk=chunk,
                         )
                     else:
                         scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
@@ -555,7 +538,7 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
     if key.moe and key.dense_layers:
         dense = _Builder(key, mode, kv_bytes).block(dense=True)
     windowed = None
-    if key.sliding_window:
+    if key.sliding_window or key.chunked_attention:
         windowed = _Builder(key, mode, kv_bytes).block(windowed=True)
     head, tied = _Builder(key, mode, kv_bytes).head()
     assert block.block_input is not None

@@ -60,6 +60,7 @@ BOOL_CONFIG = {
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
     "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
+    "chunked_attention",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""
@@ -162,6 +163,7 @@ PLAN_CONFIG = {
     *PLAN_LABEL_COLUMNS, *STAGE_SYMBOLS,
 }  # fmt: skip
 _HASHED_APART = (
+    "chunked_attention",
     "fused_elementwise",
     "moe_weighted_activation",
     "dp_replicate",
@@ -215,6 +217,11 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             if np.any(eager):
                 h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
+        # chunked attention (absent or false: as before)
+        if "chunked_attention" in source:
+            chunked = np.asarray(source["chunked_attention"], dtype=bool)
+            if np.any(chunked):
+                h = np.where(chunked, _mix(h ^ _stable64("chunked_attention")), h)
         # experts' outputs not kept (absent, false or a dense model: as before)
         if "moe_weighted_activation" in source:
             weighted = np.asarray(source["moe_weighted_activation"], dtype=bool)

@@ -113,10 +113,22 @@ class ModelSpec:
     indexer_head_dim: int = 0
     """DSA: width of an indexer head and of its cached key (``index_head_dim``, 128)."""
     full_attention_interval: int = 0
-    """With ``sliding_window``: layer ``i`` (0-based) attends over the whole context when
-    ``(i + 1)`` is a multiple of k, the others over the window (gpt-oss: 2, windowed layers
-    0, 2, 4, ... as its config.json's ``layer_types``; Gemma 3: 6). 0: every layer is
-    windowed (Mistral-7B-v0.1)."""
+    """With ``sliding_window`` or ``attention_chunk_size``: layer ``i`` (0-based) attends over
+    the whole context when ``(i + 1)`` is a multiple of k, the others over the window or
+    chunk (gpt-oss: 2, windowed layers 0, 2, 4, ... as its config.json's ``layer_types``;
+    Gemma 3: 6; Llama 4: 4, its global no-RoPE layers). 0: every layer is windowed
+    (Mistral-7B-v0.1)."""
+    attention_chunk_size: int = 0
+    """Chunked local attention (Llama 4's iRoPE, config.json's ``attention_chunk_size``): a
+    chunked layer's query at position ``p`` attends to the positions from the start of its
+    aligned chunk of this many (``p - p mod chunk``) up to itself, in prefill and in decode.
+    Engines keep the whole cache of every layer by default (TensorRT-LLM's KV-cache manager has
+    one window, ``max_seq_len``; vLLM frees blocks before the current chunk only with
+    ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``, off through v0.11) and their
+    kernels skip the keys before the chunk (TensorRT-LLM's context FMHA and generation kernels
+    start at the chunk boundary, docs/source/features/long-sequence.md "Chunked attention";
+    vLLM's ``ChunkedLocalAttention`` splits each request into per-chunk batches). 0: none.
+    Exclusive with ``sliding_window``."""
 
     def __post_init__(self) -> None:
         owner = "model"
@@ -217,28 +229,35 @@ class ModelSpec:
             )
 
     def _check_window(self) -> None:
-        for field in ("sliding_window", "full_attention_interval"):
+        for field in ("sliding_window", "full_attention_interval", "attention_chunk_size"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
                 raise ConfigError(
                     f"model.{field} must be >= 0 (an integer), got {getattr(self, field)!r}"
                 )
         k = self.full_attention_interval
-        if self.sliding_window == 0:
+        if self.sliding_window and self.attention_chunk_size:
+            raise ConfigError(
+                f"model.sliding_window({self.sliding_window}) and attention_chunk_size"
+                f"({self.attention_chunk_size}) cannot both be set: a layer attends over a "
+                "sliding window or within its chunk; set one of them 0"
+            )
+        field = "sliding_window" if self.sliding_window else "attention_chunk_size"
+        if not self.has_windowed_layers:
             if k:
                 raise ConfigError(
-                    f"model.full_attention_interval({k}) needs sliding_window > 0; leave it 0 "
-                    "for a model without windowed layers"
+                    f"model.full_attention_interval({k}) needs sliding_window or "
+                    "attention_chunk_size > 0; leave it 0 for a model without windowed layers"
                 )
             return
         if self.is_mla:
             raise ConfigError(
-                "model.sliding_window needs grouped-query attention, not latent attention "
-                "(q_lora_rank > 0); set sliding_window 0"
+                f"model.{field} needs grouped-query attention, not latent attention "
+                f"(q_lora_rank > 0); set {field} 0"
             )
         if k == 1:
             raise ConfigError(
                 "model.full_attention_interval(1) leaves no windowed layer: use 0 (every layer "
-                "windowed) or >= 2, or set sliding_window 0"
+                f"windowed) or >= 2, or set {field} 0"
             )
         if k > self.num_layers:
             raise ConfigError(
@@ -286,18 +305,28 @@ class ModelSpec:
     def has_sliding_window(self) -> bool:
         return self.sliding_window > 0
 
+    @property
+    def has_chunked_attention(self) -> bool:
+        """Chunked local attention (``attention_chunk_size > 0``)."""
+        return self.attention_chunk_size > 0
+
+    @property
+    def has_windowed_layers(self) -> bool:
+        """Some layers attend over a sliding window or within a chunk."""
+        return self.has_sliding_window or self.has_chunked_attention
+
     def is_windowed_layer(self, index: int) -> bool:
-        """Layer ``index`` (0-based) attends over the sliding window (see
+        """Layer ``index`` (0-based) attends over the sliding window or within its chunk (see
         ``full_attention_interval``)."""
-        if not self.has_sliding_window:
+        if not self.has_windowed_layers:
             return False
         k = self.full_attention_interval
         return k == 0 or (index + 1) % k != 0
 
     @property
     def num_windowed_layers(self) -> int:
-        """Layers attending over the sliding window (0 without one)."""
-        if not self.has_sliding_window:
+        """Layers attending over the sliding window or within a chunk (0 without either)."""
+        if not self.has_windowed_layers:
             return 0
         k = self.full_attention_interval
         return self.num_layers - (self.num_layers // k if k else 0)
