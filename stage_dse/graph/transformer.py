@@ -413,9 +413,8 @@ class _Builder:
                     q = g.pointwise(ROPE, "q_rope", q)
                     k = g.pointwise(ROPE, "k_rope", k)
                 chunked = windowed and self.k.chunked_attention
-                band, chunk = (
-                    (None, S.window) if chunked else (S.window if windowed else None, None)
-                )
+                band = S.window if windowed and not chunked else None  # a sliding window
+                chunk = S.window if chunked else None
                 if self.serving:
                     Tk = DIMS.context
                     if windowed and self.serving == "decode" and not chunked:

@@ -204,6 +204,12 @@ def _hash_input(col: object, text: bool) -> np.uint64 | np.ndarray:
     return np.array(float(col)).view(np.uint64)[()]
 
 
+def _marked(h, rows: np.ndarray, label: str):
+    """``h`` with ``label`` mixed into the hashes of ``rows`` (a flag whose default rows keep
+    the hashes they had before it was a column)."""
+    return np.where(rows, _mix(h ^ _stable64(label)), h) if np.any(rows) else h
+
+
 def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
     """The 64-bit config hash of each row (see :func:`config_hash`)."""
     source = table.columns if isinstance(table, PlanColumns) else table
@@ -215,20 +221,16 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         # element-wise ops run eagerly (absent or fused: the hashes rows had before)
         if "fused_elementwise" in source:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
-            if np.any(eager):
-                h = np.where(eager, _mix(h ^ _stable64("fused_elementwise=false")), h)
+            h = _marked(h, eager, "fused_elementwise=false")
         # chunked attention (absent or false: as before)
         if "chunked_attention" in source:
-            chunked = np.asarray(source["chunked_attention"], dtype=bool)
-            if np.any(chunked):
-                h = np.where(chunked, _mix(h ^ _stable64("chunked_attention")), h)
+            h = _marked(h, np.asarray(source["chunked_attention"], dtype=bool), "chunked_attention")
         # experts' outputs not kept (absent, false or a dense model: as before)
         if "moe_weighted_activation" in source:
             weighted = np.asarray(source["moe_weighted_activation"], dtype=bool)
             if "moe" in source:
                 weighted = weighted & np.asarray(source["moe"], dtype=bool)
-            if np.any(weighted):
-                h = np.where(weighted, _mix(h ^ _stable64("moe_weighted_activation")), h)
+            h = _marked(h, weighted, "moe_weighted_activation")
         # hybrid sharding's replicas (absent or 1: as before)
         if "dp_replicate" in source:
             replicas = np.nan_to_num(np.asarray(source["dp_replicate"], dtype=float), nan=1.0)
