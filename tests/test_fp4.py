@@ -266,3 +266,34 @@ def test_fp4_gemms_saturate_at_larger_weight_dimensions():
         assert got == pytest.approx(compute + B200.kernel_launch_s, rel=1e-9), name
         checked += 1
     assert checked >= 3
+
+
+def test_w4a16_expert_gemms_run_at_their_measured_ceiling():
+    """gpt-oss's MXFP4 experts on Hopper (W4A16): a long prefill, whose expert GEMMs are compute
+    bound, is slower than at the 16-bit GEMM rate, by at most the ratio of the two ceilings;
+    batch-1 decode, where the same GEMMs stream their weights, is unchanged; Blackwell (FP4
+    tensor cores) keeps its 16-bit rate, and the Hopper value is the tables' 380 TFLOP/s."""
+    model = load_model("gpt_oss_120b")
+    cluster = load_cluster("dgx_h100", num_gpus=8)
+    assert H100.w4a16_moe_efficiency == pytest.approx(380 / 989, abs=1e-3)
+    assert H100.w4a16_moe_efficiency < H100.gemm_efficiency
+    assert B200.w4a16_moe_efficiency == B200.gemm_efficiency
+    uncapped = dataclasses.replace(H100, w4a16_moe_efficiency=H100.gemm_efficiency)
+
+    def run(hardware, prompt, batch):
+        spec = ServingSpec(
+            prompt_len=prompt,
+            output_tokens=64,
+            batch_size=batch,
+            weights_dtype="bf16",
+            expert_weights_dtype="mxfp4",
+        )
+        row, key = serving_row(model, spec, hardware, cluster, 1)
+        return evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]
+
+    capped, free = run(H100, 8192, 4), run(uncapped, 8192, 4)
+    slower = capped["serve_ttft_s"] / free["serve_ttft_s"]
+    assert 1.05 < slower <= H100.gemm_efficiency / H100.w4a16_moe_efficiency
+    assert run(H100, 128, 1)["serve_tpot_s"] == pytest.approx(
+        run(uncapped, 128, 1)["serve_tpot_s"], rel=1e-9
+    )

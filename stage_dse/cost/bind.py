@@ -155,6 +155,7 @@ def bind_hardware(hardware: HardwareSpec, cluster: ClusterSpec) -> dict[str, flo
         "fp8_gemm_efficiency": hardware.fp8_gemm_efficiency,
         "fp8_step_efficiency": hardware.fp8_step_efficiency,
         "fp4_gemm_efficiency": hardware.fp4_gemm_efficiency,
+        "w4a16_moe_efficiency": hardware.w4a16_moe_efficiency,
         "gemm_half_dim": hardware.gemm_half_dim,
         "fp8_gemm_half_dim": hardware.fp8_gemm_half_dim,
         "fp4_gemm_half_dim": hardware.fp4_gemm_half_dim,

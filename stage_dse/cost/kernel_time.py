@@ -214,6 +214,15 @@ def _roofline_time(op: Op, saved_bytes: sp.Expr) -> sp.Expr:
     return _compute_time(op, saved_bytes)
 
 
+def _four_bit_experts(op: Op, touched: sp.Expr | None) -> bool:
+    """A grouped expert GEMM whose stored weights are 4-bit (MXFP4 or INT4 experts, W4A16 where
+    the math is 16-bit)."""
+    if touched is None:
+        return False
+    widths = [sp.sympify(t.dtype_bytes) for t in op.inputs if t.role is Role.WEIGHT]
+    return bool(widths) and widths[0].is_number and widths[0] < 0.75
+
+
 def _gemm_time(
     op: Op, saved_bytes: sp.Expr = 0, skew: float = 0.0, recipe: bool = True
 ) -> tuple[sp.Expr, sp.Expr]:
@@ -258,6 +267,11 @@ def _gemm_time(
         fp8 = _min(wide, width / (width + S.fp8_gemm_half_dim))
         fp4 = _min(wide, width / (width + S.fp4_gemm_half_dim))
         eff = eff * ((1 - w8 - w4) * shape + w8 * fp8 + w4 * fp4)
+        if _four_bit_experts(op, touched):
+            # W4A16: dequantizing in the main loop caps the 16-bit rate at w4a16_moe_efficiency;
+            # small shapes keep the latency law of the 16-bit kernels
+            sixteen = S.gemm_efficiency * shape
+            eff = eff + w16 * (_min(sixteen, S.w4a16_moe_efficiency) - sixteen)
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
             quantize = (1 - w16) * _streaming_kernel((2 + S.gemm_bytes) * numel)

@@ -172,6 +172,8 @@ class Symbols:
     fp8_step_efficiency = _real("fp8_step_efficiency")
     """Training: share of ``fp8_gemm_efficiency`` FP8 GEMMs reach in a step (serving: 1)."""
     fp4_gemm_efficiency = _real("fp4_gemm_efficiency")
+    w4a16_moe_efficiency = _real("w4a16_moe_efficiency")
+    """Grouped expert GEMMs with 4-bit weights under 16-bit math: share of the 16-bit peak."""
     gemm_half_dim = _real("gemm_half_dim")
     fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
     fp4_gemm_half_dim = _real("fp4_gemm_half_dim")
@@ -234,6 +236,7 @@ HARDWARE_SYMBOLS = (
     "fp8_gemm_efficiency",
     "fp8_step_efficiency",
     "fp4_gemm_efficiency",
+    "w4a16_moe_efficiency",
     "gemm_half_dim",
     "fp8_gemm_half_dim",
     "fp4_gemm_half_dim",

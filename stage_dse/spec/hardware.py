@@ -32,6 +32,16 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   6000), the token dimension saturating at FP8's (fitted 459-884 on B200 to GB300 with
   8,192-wide weights, FP8 439-547): NVFP4 expert GEMMs 768-1,536 wide run at a third to a
   half of a large GEMM's rate.
+* ``w4a16_moe_efficiency``: grouped expert GEMMs with 4-bit weights under 16-bit math
+  (W4A16: MXFP4 or INT4 experts dequantized in the kernel's main loop, as Hopper and Ampere
+  run gpt-oss) against the 16-bit peak. The dequantization costs the main loop its tensor-core
+  rate: AIConfigurator's measured W4A16 MXFP4 MoE tables (``aiconfigurator-core`` 0.12.0, 8,192
+  tokens or more, balanced routing, one GPU) saturate at 380 TFLOP/s on H100 and H200 for
+  TensorRT-LLM 1.3.0rc20, 235-252 for SGLang 0.5.14 and 509-559 for vLLM 0.19-0.24, where the
+  bf16 MoE tables reach 600-730. It caps the 16-bit rate (small shapes keep the latency law of
+  the 16-bit kernels). Presets of GPUs without FP4 tensor cores that have such tables (Hopper,
+  Ada) take the median over the engines; others take ``gemm_efficiency`` (Blackwell engines run
+  MXFP4 experts on their FP8 or FP4 tensor cores).
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
@@ -110,6 +120,9 @@ class HardwareSpec:
     ``stage_dse/validation/parameters.yaml``)."""
     fp4_gemm_efficiency: float = 0.0
     """Large FP4 GEMMs' fraction of the FP4 peak (0: ``FP4_GEMM_RATIO`` x gemm_efficiency)."""
+    w4a16_moe_efficiency: float = 0.0
+    """Large grouped expert GEMMs with 4-bit weights under 16-bit math (W4A16): their fraction
+    of the 16-bit peak (0: ``gemm_efficiency``)."""
     gemm_half_dim: float = 128.0
     """Smallest GEMM dimension at which GEMM efficiency halves."""
     fp8_gemm_half_dim: float = 0.0
@@ -198,6 +211,9 @@ class HardwareSpec:
                 self, "fp4_gemm_efficiency", round(FP4_GEMM_RATIO * self.gemm_efficiency, 4)
             )
         _fraction(owner, "fp4_gemm_efficiency", self.fp4_gemm_efficiency)
+        if not self.w4a16_moe_efficiency:
+            object.__setattr__(self, "w4a16_moe_efficiency", self.gemm_efficiency)
+        _fraction(owner, "w4a16_moe_efficiency", self.w4a16_moe_efficiency)
         for f in (
             "memory_reserve_bytes",
             "kernel_launch_s",

@@ -164,6 +164,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         gemm_half_dim=float(row["gemm_half_dim"]),
         fp8_gemm_half_dim=float(row.get("fp8_gemm_half_dim", row["gemm_half_dim"])),
         fp4_gemm_efficiency=float(_given(row, "fp4_gemm_efficiency", 0.0)),  # 0: derived
+        w4a16_moe_efficiency=float(_given(row, "w4a16_moe_efficiency", 0.0)),  # 0: derived
         fp4_gemm_half_dim=float(_given(row, "fp4_gemm_half_dim", 0.0)),
         attention_efficiency=float(row["attention_efficiency"]),
         memory_efficiency=float(row["memory_efficiency"]),
