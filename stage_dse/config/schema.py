@@ -106,9 +106,9 @@ class HardwareConf:
     fp8_step_efficiency: float = 1.0
     """Training: share of fp8_gemm_efficiency FP8 GEMMs reach inside a step (serving keeps 1)."""
     fp4_gemm_efficiency: float = 0.0
+    """Large FP4 GEMMs' fraction of the FP4 peak (0: 0.6 x gemm_efficiency)."""
     w4a16_moe_efficiency: float = 0.0
     """Large W4A16 grouped expert GEMMs' fraction of the bf16 peak (0: gemm_efficiency)."""
-    """Large FP4 GEMMs' fraction of the FP4 peak (0: 0.6 x gemm_efficiency)."""
     gemm_half_dim: float = 128.0
     fp8_gemm_half_dim: float = 0.0
     """Smallest FP8 GEMM dimension at which FP8 GEMM efficiency halves (0: gemm_half_dim)."""
