@@ -199,10 +199,15 @@ def _narrow_weights(op: Op) -> sp.Expr:
     math (training, W8A8, W4A4)."""
     if op.outputs[0].role is Role.GRAD or touched_experts(op) is not None:
         return sp.Integer(1)
+    width = _weight_bytes(op)
+    return sp.Integer(1) if width is None else _max(1, S.gemm_bytes / width)
+
+
+def _weight_bytes(op: Op) -> sp.Expr | None:
+    """Bytes per stored value of a GEMM's weight operand (None: no weight operand, as in a
+    weight gradient)."""
     widths = [t.dtype_bytes for t in op.inputs if t.role is Role.WEIGHT]
-    if not widths:
-        return sp.Integer(1)
-    return _max(1, S.gemm_bytes / widths[0])
+    return sp.sympify(widths[0]) if widths else None
 
 
 @lru_cache(maxsize=1 << 16)
@@ -217,10 +222,8 @@ def _roofline_time(op: Op, saved_bytes: sp.Expr) -> sp.Expr:
 def _four_bit_experts(op: Op, touched: sp.Expr | None) -> bool:
     """A grouped expert GEMM whose stored weights are 4-bit (MXFP4 or INT4 experts, W4A16 where
     the math is 16-bit)."""
-    if touched is None:
-        return False
-    widths = [sp.sympify(t.dtype_bytes) for t in op.inputs if t.role is Role.WEIGHT]
-    return bool(widths) and widths[0].is_number and widths[0] < 0.75
+    width = _weight_bytes(op) if touched is not None else None
+    return width is not None and width.is_number and width < 0.75
 
 
 def _gemm_time(
