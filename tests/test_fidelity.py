@@ -521,3 +521,35 @@ def test_triton_flash_attention_runs_at_half_flash_speed_with_the_same_memory():
     delta_s = triton["time_layer_fwd_s"] - flash["time_layer_fwd_s"]
     assert delta_s == pytest.approx(fused_s * (1 / FLASH_TRITON_SPEED - 1), rel=1e-6)
     assert triton["step_s"] > flash["step_s"]
+
+
+def test_attention_below_head_dim_128_waits_on_the_softmax():
+    """The same attention flops cut into 64-wide heads take 1 / speed as long, speed
+    ``64 (128 + h) / (128 (64 + h))`` with the GPU's ``attention_half_dim`` h (0.82 on H100, as
+    the measured context-attention tables have it); 256-wide heads and a GPU without the term
+    run as 128-wide ones. Every GEMM keeps its shape (kv heads x head_dim held)."""
+    import dataclasses
+
+    base = load_model("llama3_8b")  # 32 heads of 128, 8 kv heads
+    narrow = dataclasses.replace(base, num_heads=64, num_kv_heads=16, head_dim=64)
+    wide = dataclasses.replace(base, num_heads=16, num_kv_heads=4, head_dim=256)
+    seq = 8192
+    training = TrainingSpec(seq_len=seq, global_batch_size=8)
+    plan = ParallelPlan(dp=8, zero_stage=3)
+    cluster = load_cluster("dgx_h100", num_gpus=8)
+
+    def layer_fwd_s(model, hardware=H100):
+        r = evaluate_plan(model, training, plan, hardware=hardware, cluster=cluster)
+        return r["time_layer_fwd_s"]
+
+    h = H100.attention_half_dim
+    speed = 64 * (128 + h) / (128 * (64 + h))
+    assert speed == pytest.approx(0.82, abs=0.01)
+    tiles = seq // ATTENTION_TILE
+    executed = 2 * 2 * seq * seq * base.num_heads * base.head_dim * (tiles + 1) / (2 * tiles)
+    fused_s = executed / (H100.peak_flops * H100.sustained_clock * H100.attention_efficiency)
+    delta_s = layer_fwd_s(narrow) - layer_fwd_s(base)
+    assert delta_s == pytest.approx(fused_s * (1 / speed - 1), rel=1e-6)
+    assert layer_fwd_s(wide) == pytest.approx(layer_fwd_s(base), rel=1e-12)
+    flat = dataclasses.replace(H100, attention_half_dim=0.0)
+    assert layer_fwd_s(narrow, flat) == pytest.approx(layer_fwd_s(base, flat), rel=1e-12)

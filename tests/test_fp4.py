@@ -297,3 +297,33 @@ def test_w4a16_expert_gemms_run_at_their_measured_ceiling():
     assert run(H100, 128, 1)["serve_tpot_s"] == pytest.approx(
         run(uncapped, 128, 1)["serve_tpot_s"], rel=1e-9
     )
+
+
+def test_engines_choose_the_activations_of_mxfp4_experts_on_fp4_hardware():
+    """gpt-oss's MXFP4 experts on B200: TensorRT-LLM and SGLang feed them MXFP8 (W4A8, the FP8
+    tensor cores), vLLM bf16 by default; the rest of the pass stays 16-bit, a long prefill is
+    faster under W4A8, and Hopper runs the experts weight-only whatever the engine."""
+    from stage_dse.config.presets import load_engine
+
+    model = load_model("gpt_oss_120b")
+    cluster = load_cluster("hgx_b200", num_gpus=8)
+    spec = ServingSpec(
+        prompt_len=8192, output_tokens=64, batch_size=4, weights_dtype="bf16",
+        expert_weights_dtype="mxfp4",
+    )  # fmt: skip
+    trtllm, sglang, vllm = (load_engine(n) for n in ("trtllm", "sglang", "vllm"))
+    assert trtllm.expert_gemm_bytes(spec, B200) == 1.0
+    assert sglang.expert_gemm_bytes(spec, B200) == 1.0
+    assert vllm.expert_gemm_bytes(spec, B200) == 2.0
+    assert trtllm.expert_gemm_bytes(spec, H100) == 2.0  # no FP4 tensor cores: W4A16
+    assert trtllm.expert_gemm_bytes(spec.replace(expert_weights_dtype=None), B200) == 2.0
+
+    def ttft(engine):
+        row, key = serving_row(model, spec, B200, cluster, 1)
+        row["expert_gemm_bytes"] = engine.expert_gemm_bytes(spec, B200)
+        assert row["gemm_bytes"] == 2.0  # attention, router and embeddings stay bf16
+        return evaluate_serving_table(pd.DataFrame([row]), [key]).iloc[0]["serve_ttft_s"]
+
+    assert ttft(trtllm) < ttft(vllm)
+    with pytest.raises(ConfigError, match=r"engine\.mxfp4_moe_activations"):
+        trtllm.replace(mxfp4_moe_activations="fp4")

@@ -411,7 +411,8 @@ def test_moe_formats_follow_the_experts_storage_and_the_gemm_precision():
     assert _moe_formats(2, 2) == ("bfloat16",)
     assert _moe_formats(1, 1) == ("fp8", "fp8_block")
     assert _moe_formats(1, 2) == ()  # FP8 storage on 16-bit math: no table
-    assert _moe_formats(0.53125, 2) == ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+    assert _moe_formats(0.53125, 2) == ("w4a16_mxfp4",)  # an engine feeding bf16
+    assert _moe_formats(0.53125, 1) == ("w4a8_mxfp4_mxfp8",)  # MXFP8 activations (W4A8)
     assert _moe_formats(0.5625, 0.5625) == ("nvfp4",)
     assert _moe_formats(0.5625, 2) == ()
 

@@ -115,6 +115,8 @@ class HardwareConf:
     fp4_gemm_half_dim: float = 0.0
     """The same for FP4 GEMMs (0: fp8_gemm_half_dim)."""
     attention_efficiency: float = 0.6
+    attention_half_dim: float = 0.0
+    """Head dimension at which softmax costs attention its tensor-core work (0: none)."""
     fp8_attention_speedup: float = 1.0
     """Prefill attention on an FP8 KV cache over the 16-bit kernel, where an engine runs it in
     FP8 (conf/engine/trtllm.yaml); 1: no faster."""

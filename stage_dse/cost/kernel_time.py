@@ -56,12 +56,20 @@ def _fp8_quantized_numel(op: Op) -> sp.Expr:
     return sp.Integer(0)
 
 
+def _format_bytes(op: Op | None) -> sp.Expr:
+    """The GEMM input format of ``op``'s pass: ``expert_gemm_bytes`` for a routed expert's
+    grouped GEMM, ``gemm_bytes`` for the others."""
+    routed = op is not None and DIMS.capacity in set(op.axes_iter)  # as touched_experts
+    return S.expert_gemm_bytes if routed else S.gemm_bytes
+
+
 def gemm_input_bytes(op: Op | None = None) -> sp.Expr:
-    """Bytes per element of a linear GEMM's inputs: ``gemm_bytes``, but 16-bit for the weight
-    gradient under ``fp8_recipe=rowwise_gw_hp``."""
+    """Bytes per element of a linear GEMM's inputs: ``gemm_bytes`` (``expert_gemm_bytes`` for
+    routed experts), but 16-bit for the weight gradient under ``fp8_recipe=rowwise_gw_hp``."""
+    b = _format_bytes(op)
     if op is not None and op.outputs[0].role is Role.GRAD:
-        return S.gemm_bytes + S.fp8_wgrad_hp * (2 - S.gemm_bytes)
-    return S.gemm_bytes
+        return b + S.fp8_wgrad_hp * (2 - b)
+    return b
 
 
 def gemm_precision_weights(op: Op | None = None) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
@@ -100,10 +108,10 @@ def fp8_recipe_terms(op: Op) -> tuple[sp.Expr, sp.Expr]:
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     # block scales (MXFP8, NVFP4 in training): the quantize kernel writes a column-wise copy
     # beside the row-wise one
-    copy = mx * S.gemm_bytes * _fp8_quantized_numel(op) / bandwidth
+    copy = mx * _format_bytes(op) * _fp8_quantized_numel(op) / bandwidth
     if forward:
         return 1 - w8 * (1 - speed), (w8 + w4) * copy
-    quantize = 2 + S.gemm_bytes  # read 16-bit, write FP8
+    quantize = 2 + _format_bytes(op)  # read 16-bit, write FP8
     rescale = _streaming_kernel(4 * op.outputs[0].local_numel)
     if op.outputs[0].role is Role.GRAD:
         added = rescale + _sum(_streaming_kernel(quantize * t.local_numel) for t in op.inputs)
@@ -277,7 +285,7 @@ def _gemm_time(
             eff = eff + w16 * (_min(sixteen, S.w4a16_moe_efficiency) - sixteen)
         numel = _fp8_quantized_numel(op)
         if numel != 0:  # a quantize kernel first: read 16-bit, write gemm_bytes
-            quantize = (1 - w16) * _streaming_kernel((2 + S.gemm_bytes) * numel)
+            quantize = (1 - w16) * _streaming_kernel((2 + _format_bytes(op)) * numel)
         quantize = quantize + added
     flops = op.flops * load
     gemm = _max(flops / (peak * S.sustained_clock * eff), stream, S.gemm_floor_s)
@@ -285,11 +293,20 @@ def _gemm_time(
     return gemm, quantize
 
 
+def head_dim_speed(op: Op) -> sp.Expr:
+    """An attention kernel's speed at its head dimension ``d`` against head dimension 128:
+    ``d (128 + h) / (128 (d + h))`` below 128, 1 from 128 (``h``: ``attention_half_dim``,
+    :class:`~stage_dse.spec.hardware.HardwareSpec`)."""
+    d = op.inputs[0].axes[-1].extent  # queries (forward) or the output gradient: head_dim
+    h = S.attention_half_dim
+    return _min(1, d * (128 + h) / (128 * (d + h)))
+
+
 def _other_time(op: Op, saved_bytes: sp.Expr = 0) -> sp.Expr:
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
     stream = (op.bytes - saved_bytes) / bandwidth
     if op.kind is OpKind.ATTENTION:
-        eff = S.attention_efficiency * op.speed
+        eff = S.attention_efficiency * op.speed * head_dim_speed(op)
         executed = op.flops * op.executed_fraction
         return (
             _max(executed / (S.peak_flops * S.sustained_clock * eff), stream, S.attention_floor_s)

@@ -98,7 +98,7 @@ class Measure:
         clock = S.sustained_clock
         roofline = _sum(_compute_time(op, skew=self.skew) for op in block.values()) * clock
         shape = (tokens, hidden, width, S.top_k, experts, moe_tp, moe_ep, w.dtype_bytes)
-        kernel = Kernel("moe", (*shape, S.gemm_bytes, self.routing), roofline)
+        kernel = Kernel("moe", (*shape, S.expert_gemm_bytes, self.routing), roofline)
         self.fused.update({name: sp.Integer(0) for name in block})
         self.fused["experts.gate_proj"] = self._time(kernel) / clock
 

@@ -111,6 +111,10 @@ class Symbols:
     gemm_bytes = _real("gemm_bytes")
     """Bytes per element of the linear layers' GEMM inputs: 2 (bf16/fp16), 1 (fp8) or 0.5625
     (NVFP4, its block scales included); below 0.75 they run on the FP4 tensor cores."""
+    expert_gemm_bytes = _real("expert_gemm_bytes")
+    """The same for the routed experts' grouped GEMMs: ``gemm_bytes``, but 1 where an engine runs
+    MXFP4 experts with MXFP8 activations on FP4 hardware beside 16-bit layers (W4A8,
+    ``EngineSpec.mxfp4_moe_activations``)."""
     # the FP8 scaling recipe (stage_dse.spec.training.Fp8Recipe), 0/1 each, 0 for tensorwise
     fp8_rowwise = _count("fp8_rowwise")
     """Row-wise scales (``rowwise``, ``rowwise_gw_hp``)."""
@@ -178,6 +182,8 @@ class Symbols:
     fp8_gemm_half_dim = _real("fp8_gemm_half_dim")
     fp4_gemm_half_dim = _real("fp4_gemm_half_dim")
     attention_efficiency = _real("attention_efficiency")
+    attention_half_dim = _nonneg("attention_half_dim")
+    """Head dimension at which the softmax costs attention as much as its tensor-core work."""
     context_attention_speed = _real("context_attention_speed")
     """Serving: prefill attention's speed over the 16-bit kernel's (an engine's FP8 attention,
     ``EngineSpec.context_attention_speed``; 1 otherwise)."""
@@ -241,6 +247,7 @@ HARDWARE_SYMBOLS = (
     "fp8_gemm_half_dim",
     "fp4_gemm_half_dim",
     "attention_efficiency",
+    "attention_half_dim",
     "memory_efficiency",
     "kernel_launch_s",
     "host_op_s",

@@ -296,17 +296,18 @@ def _measured_collective(kind: str, shape: np.ndarray, tables: MeasuredTables):
 
 def _moe_formats(expert_bytes: float, gemm_bytes: float) -> tuple[str, ...]:
     """The ``moe_perf`` formats that time experts stored in ``expert_bytes`` per value whose
-    GEMMs run at ``gemm_bytes`` (the pass's GEMM format), in order of preference: 16-bit
-    experts in bf16; FP8 experts where the GEMMs run in FP8 (W8A8; none for FP8 storage on
-    16-bit math); MXFP4 experts (0.53125 bytes) with MXFP8 activations where the GPU has that
-    kernel (W4A8: Blackwell, as TensorRT-LLM runs MXFP4 checkpoints there), else with 16-bit
-    activations (W4A16: Hopper, Ampere); NVFP4 experts (0.5625 bytes) with FP4 GEMMs."""
+    GEMMs run at ``gemm_bytes`` (the experts' GEMM format, ``expert_gemm_bytes``), in order of
+    preference: 16-bit experts in bf16; FP8 experts where the GEMMs run in FP8 (W8A8; none for
+    FP8 storage on 16-bit math); MXFP4 experts (0.53125 bytes) with MXFP8 activations where
+    their GEMMs run in FP8 (W4A8: the engine's choice on Blackwell,
+    ``EngineSpec.mxfp4_moe_activations``), else with 16-bit activations (W4A16); NVFP4 experts
+    (0.5625 bytes) with FP4 GEMMs."""
     if expert_bytes >= 1.5:
         return ("bfloat16",)
     if expert_bytes >= 0.75:
         return ("fp8", "fp8_block") if gemm_bytes < 1.5 else ()
     if abs(expert_bytes - 0.53125) < 1e-9:
-        return ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+        return ("w4a8_mxfp4_mxfp8",) if gemm_bytes < 1.5 else ("w4a16_mxfp4",)
     return ("nvfp4",) if gemm_bytes < 0.75 else ()
 
 

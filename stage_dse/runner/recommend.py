@@ -128,10 +128,11 @@ class Recommendation:
     """The closest candidates that miss a target, least miss first (``miss``: worst ratio)."""
 
 
-def _layouts(model, base: ServingSpec, hardware, cluster, tps, eps, batches):
-    """Symbol rows of every buildable (tp, ep, batch): rows, keys, (tp, ep, batch) and the
-    reasons of the layouts that could not be built, by (tp, ep)."""
+def _layouts(model, base: ServingSpec, hardware, cluster, tps, eps, batches, engine):
+    """Symbol rows of every buildable (tp, ep, batch) under ``engine``: rows, keys, (tp, ep,
+    batch) and the reasons of the layouts that could not be built, by (tp, ep)."""
     rows, keys, meta, rejected = [], [], [], {}
+    expert_bytes = engine.expert_gemm_bytes(base, hardware)
     for tp, ep in itertools.product(tps, eps):
         if tp > cluster.gpus_per_node:
             rejected[tp, ep] = (
@@ -146,6 +147,7 @@ def _layouts(model, base: ServingSpec, hardware, cluster, tps, eps, batches):
             except ConfigError as exc:
                 rejected[tp, ep] = str(exc)
                 break
+            row["expert_gemm_bytes"] = expert_bytes
             rows.append(row)
             keys.append(key)
             meta.append((tp, ep, batch))
@@ -256,7 +258,7 @@ def recommend(
     pre_hw = prefill_hardware or hardware
     measured = serving_timing(timing, (hardware, pre_hw))
     tps, eps = tuple(int(t) for t in tps), tuple(int(e) for e in eps)
-    table, keys, meta, rejected = _layouts(model, base, hardware, cluster, tps, eps, (1,))
+    table, keys, meta, rejected = _layouts(model, base, hardware, cluster, tps, eps, (1,), engine)
     if not len(table):
         raise _none_buildable(model, tps, eps, rejected)
     for name, value in engine.cost_columns().items():
@@ -385,12 +387,12 @@ def _disaggregated(
     """Prefill replicas (tp, ep, one prompt per attention rank) and decode replicas (tp, ep,
     batch per rank up to the running cap and the KV capacity), every pair, sized to the
     target."""
-    pre_t, pre_k, pre_m, _ = _layouts(model, base, pre_hw, cluster, tps, eps, (1,))
+    pre_t, pre_k, pre_m, _ = _layouts(model, base, pre_hw, cluster, tps, eps, (1,), engine)
     if len(pre_t):
         pre_t["context_attention_speed"] = engine.context_attention_speed(
             base.weights_dtype, base.kv_dtype, pre_hw.fp8_attention_speedup
         )
-    one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,))
+    one_t, one_k, one_m, _ = _layouts(model, base, hardware, cluster, tps, eps, (1,), engine)
     one = evaluate_serving_table(one_t, one_k, timing=measured)
 
     # the largest batch whose cache fits beside its own working set (a decode pass's: a
@@ -414,7 +416,7 @@ def _disaggregated(
     for i, lim in enumerate(limits):
         tp, ep, _ = one_m[i]
         batches = [b for b in DECODE_BATCHES if b < lim] + ([int(lim)] if lim >= 1 else [])
-        t, k, m, _ = _layouts(model, base, hardware, cluster, (tp,), (ep,), batches)
+        t, k, m, _ = _layouts(model, base, hardware, cluster, (tp,), (ep,), batches, engine)
         dec_t.append(t)
         dec_k += k
         dec_m += [(*x, "kv" if x[2] == lim and lim < cap else "slots") for x in m]

@@ -148,6 +148,7 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
                 "context_attention_speed": spec.engine.context_attention_speed(
                     serving.weights_dtype, serving.kv_dtype, hw.fp8_attention_speedup
                 ),
+                "expert_gemm_bytes": spec.engine.expert_gemm_bytes(serving, hw),
                 **spec.engine.kv_pool_columns(hw.hbm_bytes, tp * pp),
                 "clients": float(spec.clients) if continuous else np.nan,
                 "burst": float(spec.burst) if continuous else np.nan,

@@ -53,6 +53,24 @@ the KV cache is FP8 with paged context attention (``mFP8ContextFMHA``,
 older TensorRT engine flow left it to the ``use_fp8_context_fmha`` build flag, off by default).
 Such a kernel runs ``HardwareSpec.fp8_attention_speedup`` times as fast as the 16-bit one,
 measured per GPU (:meth:`EngineSpec.context_attention_speed`).
+
+**MXFP4 experts on FP4 hardware** (``mxfp4_moe_activations``). Where a checkpoint stores only
+the routed experts in MXFP4 (gpt-oss: attention, router and embeddings in bf16), an engine on
+a GPU with FP4 tensor cores picks the experts' activation format itself:
+
+* TensorRT-LLM quantizes them to MXFP8 and runs W4A8 on Blackwell (its GPT-OSS deployment
+  guide: MXFP8 activations, MXFP4 MoE weights on B200/GB200/B300/GB300): ``mxfp8``;
+* SGLang selects its ``flashinfer_mxfp4`` MoE runner on SM100 for MXFP4 checkpoints
+  (``python/sglang/srt/server_args.py``), which quantizes the input to MXFP8 first ("Based on
+  profiling results, we need to quantize x to mxfp8", ``layers/quantization/mxfp4.py``):
+  ``mxfp8``;
+* vLLM's default on SM100 is FlashInfer's MXFP4 x BF16 kernel; MXFP8 activations need
+  ``VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8`` (``get_mxfp4_backend``,
+  ``vllm/model_executor/layers/quantization/mxfp4.py``): ``bf16``.
+
+With ``mxfp8`` the grouped expert GEMMs run on the FP8 tensor cores while the other layers
+stay 16-bit (:meth:`EngineSpec.expert_gemm_bytes`); GPUs without FP4 tensor cores run MXFP4
+experts weight-only whatever the engine (W4A16).
 """
 
 from __future__ import annotations
@@ -63,7 +81,7 @@ from dataclasses import dataclass
 
 from stage_dse.errors import ConfigError
 
-__all__ = ["KV_MEMORY_RULES", "EngineSpec", "sglang_reserved_bytes"]
+__all__ = ["KV_MEMORY_RULES", "MXFP4_MOE_ACTIVATIONS", "EngineSpec", "sglang_reserved_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +106,10 @@ class EngineSpec:
     """Prefill attention runs on the FP8 tensor cores (queries, keys and values quantized) when
     the linear layers are FP8 or FP4 or the KV cache is FP8 (module docstring, *FP8 prefill
     attention*)."""
+    mxfp4_moe_activations: str = "bf16"
+    """The activation format of MXFP4 routed experts beside 16-bit layers on GPUs with FP4
+    tensor cores: ``bf16`` (W4A16 math) or ``mxfp8`` (W4A8 on the FP8 tensor cores); module
+    docstring, *MXFP4 experts on FP4 hardware*."""
     kv_reserve_ratio: float = 1.0
     """Share of a running request's remaining output tokens the engine keeps KV-cache room
     for (module docstring, *KV-cache room per request*): 1 reserves the whole request up
@@ -155,6 +177,11 @@ class EngineSpec:
                 raise ConfigError(
                     f"engine.{field} must be true or false, got {getattr(self, field)!r}"
                 )
+        if self.mxfp4_moe_activations not in MXFP4_MOE_ACTIVATIONS:
+            raise ConfigError(
+                f"engine.mxfp4_moe_activations must be one of "
+                f"{', '.join(MXFP4_MOE_ACTIVATIONS)}, got {self.mxfp4_moe_activations!r}"
+            )
         v = self.cuda_graph_max_batch
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             raise ConfigError(f"engine.cuda_graph_max_batch must be an integer >= 0, got {v!r}")
@@ -180,6 +207,19 @@ class EngineSpec:
         ``fp8_attention_speedup``."""
         quantized = weights_dtype.value == "fp8" or weights_dtype.is_fp4 or kv_dtype.value == "fp8"
         return float(fp8_speedup) if self.fp8_context_attention and quantized else 1.0
+
+    def expert_gemm_bytes(self, serving, hardware) -> float:
+        """The routed experts' GEMM input bytes for ``serving`` on ``hardware`` (the
+        ``expert_gemm_bytes`` column): 1 (FP8 tensor cores) for MXFP4 experts beside 16-bit
+        layers when this engine feeds them MXFP8 activations on a GPU with FP4 tensor cores,
+        else the pass's ``gemm_bytes``."""
+        gemm_bytes = serving.step_like(hardware).gemm_dtype.bytes
+        w4a8 = (
+            self.mxfp4_moe_activations == "mxfp8"
+            and hardware.peak_fp4_flops > 0
+            and serving.experts_dtype.value == "mxfp4"
+        )
+        return min(gemm_bytes, 1.0) if w4a8 else gemm_bytes
 
     def kv_pool_columns(
         self,
@@ -214,6 +254,8 @@ class EngineSpec:
 
 
 KV_MEMORY_RULES = ("usable", "total_fraction", "static_reserve", "free_fraction")
+
+MXFP4_MOE_ACTIVATIONS = ("bf16", "mxfp8")
 
 _GIB = 2.0**30
 

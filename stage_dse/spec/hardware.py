@@ -42,7 +42,21 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   the 16-bit kernels). Presets of GPUs without FP4 tensor cores that have such tables (Hopper,
   Ada) take the median over the engines; others take ``gemm_efficiency`` (Blackwell engines run
   MXFP4 experts on their FP8 or FP4 tensor cores).
-* ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak.
+* ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak,
+  at head dimension 128.
+* ``attention_half_dim``: how a head dimension ``d`` below 128 slows the compute-bound
+  attention kernels. Per score element the tensor cores do ``4 d`` flops (QK and PV) and the
+  softmax one exponential on the special-function units, whose rate does not scale with the
+  tensor cores': time goes as ``d + h``, efficiency as ``d / (d + h)``, and against head
+  dimension 128 the kernel runs at ``d (128 + h) / (128 (d + h))`` (1 at ``d >= 128``, where
+  the tables show no consistent gain: 256 over 128 is 0.93-1.21). ``h`` is fitted to
+  AIConfigurator's context-attention tables (``aiconfigurator-core`` 0.12.0, causal, no
+  window, 8,192 tokens or more, bf16, medians per head dimension and engine): head dimension
+  64 runs at 0.76-0.84 of 128 on H100/H200 (TensorRT-LLM, SGLang, vLLM; median 0.82, ``h`` 36),
+  0.59-0.68 on B200/GB200 (median 0.64, ``h`` 165) and 0.64-0.75 on B300/GB300 (median
+  0.685, ``h`` 109), the tensor cores having doubled per generation and the exponential units
+  not. 0 (no slowdown) where no table measures head dimensions (A100, AMD) or the engines
+  disagree (L40S, RTX PRO 6000: 0.52-1.16).
 * ``memory_efficiency``: streaming kernels relative to HBM bandwidth.
 * link efficiencies (in ``ClusterSpec``): achieved NCCL bus bandwidth relative to the link rate.
 
@@ -130,6 +144,9 @@ class HardwareSpec:
     fp4_gemm_half_dim: float = 0.0
     """The same for FP4 GEMMs (0: ``fp8_gemm_half_dim``)."""
     attention_efficiency: float = 0.6
+    attention_half_dim: float = 0.0
+    """Head dimension at which the softmax costs attention as much as its tensor-core work
+    (module docstring; 0: no head-dimension term)."""
     fp8_attention_speedup: float = 1.0
     """Prefill attention on an FP8 KV cache over the 16-bit kernel, where an engine runs it in
     FP8 (``EngineSpec.fp8_context_attention``); 1: no faster (no FP8 attention kernels)."""
@@ -225,6 +242,7 @@ class HardwareSpec:
             "attention_floor_s",
             "elementwise_floor_s",
             "moe_layer_latency_s",
+            "attention_half_dim",
         ):
             non_negative_number(owner, f, getattr(self, f))
         if self.mxfp8_gemm_speed:

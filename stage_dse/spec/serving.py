@@ -38,9 +38,11 @@ dequantized inside the GEMM and multiplied on the 16-bit tensor cores, as engine
 
 ``expert_weights_dtype`` gives the routed experts of a mixture-of-experts model their own
 format, the rest keeping ``weights_dtype``: gpt-oss checkpoints store the expert weights in
-MXFP4 and attention, router and embeddings in bf16. The GEMMs then all run in the format of
-``weights_dtype`` (one GEMM precision per pass): exact for W4A16 experts beside bf16 layers;
-on FP4 hardware the expert GEMMs are costed at the rest's rate, not at their own.
+MXFP4 and attention, router and embeddings in bf16. The GEMMs run in the format of
+``weights_dtype``, but on FP4 hardware the engine decides the experts' own
+(``EngineSpec.mxfp4_moe_activations``: MXFP8 activations, W4A8 on the FP8 tensor cores, under
+TensorRT-LLM and SGLang; bf16 under vLLM), carried by the ``expert_gemm_bytes`` column; on
+other GPUs such experts are W4A16 beside the bf16 layers.
 
 The KV cache is ``bf16``/``fp16`` or ``fp8``: a 4-bit cache (TensorRT-LLM's NVFP4 KV cache,
 dequantized to FP8 for attention) is not modelled.

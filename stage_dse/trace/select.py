@@ -167,6 +167,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         w4a16_moe_efficiency=float(_given(row, "w4a16_moe_efficiency", 0.0)),  # 0: derived
         fp4_gemm_half_dim=float(_given(row, "fp4_gemm_half_dim", 0.0)),
         attention_efficiency=float(row["attention_efficiency"]),
+        attention_half_dim=float(_given(row, "attention_half_dim", 0.0)),
         memory_efficiency=float(row["memory_efficiency"]),
         kernel_launch_s=float(row["kernel_launch_s"]),
         overlap_slowdown=float(row["overlap_slowdown"]),

@@ -158,6 +158,7 @@ def _row(case: Case):
             "context_attention_speed": engine.context_attention_speed(
                 serving.weights_dtype, serving.kv_dtype, speedup
             ),
+            "expert_gemm_bytes": engine.expert_gemm_bytes(serving, hw),
             "draft_tokens": float(drafts),
             "acceptance": acceptance,
             **pool,
