@@ -217,3 +217,26 @@ def test_trtllm_bench_takes_build_defaults_for_a_quantization_it_does_not_tune()
     f = {**bench, "tp": 2, "isl": 1024, "osl": 1024}
     tuned = trtllm_bench_limits(oss, f, load_hardware("h200"), "bf16", "bf16")
     assert tuned != UNTUNED_LIMITS and tuned[0] % 32 == 0
+
+
+def test_a_stated_capacity_scheduler_sets_the_kv_room_per_request():
+    """TensorRT-LLM's MAX_UTILIZATION policy (NVIDIA's MLPerf harness default) allocates KV
+    blocks as tokens arrive: room 0 per request where GUARANTEED_NO_EVICT, the engine's
+    default, reserves the whole request; more requests then run at once. An unknown policy
+    is a corpus error naming the field."""
+    import dataclasses
+
+    from stage_dse.validation.corpus import CorpusError, load_corpus
+    from stage_dse.validation.serving import evaluate_serving, prepare
+
+    case = next(c for c in load_corpus("serving") if c.id.startswith("mlperf_inf_v51_llama2_70b_b"))
+    assert case.fields["capacity_scheduler"] == "max_utilization"
+    fields = {k: v for k, v in case.fields.items() if k != "capacity_scheduler"}
+    no_evict = dataclasses.replace(case, fields=fields)
+    assert prepare([case]).table["kv_reserve_ratio"].tolist() == [0.0]
+    assert prepare([no_evict]).table["kv_reserve_ratio"].tolist() == [1.0]
+    greedy, reserved = evaluate_serving([case]), evaluate_serving([no_evict])
+    assert greedy["predicted"].iloc[0] >= reserved["predicted"].iloc[0]
+    bad = dataclasses.replace(case, fields={**fields, "capacity_scheduler": "fifo"})
+    with pytest.raises(CorpusError, match="capacity_scheduler='fifo'"):
+        prepare([bad])

@@ -128,6 +128,7 @@ SERVING_FIELDS: dict[str, tuple] = {
     "dataset": TEXT,
     "mode_note": TEXT,
     "kv_memory_fraction": NUMBER,
+    "capacity_scheduler": TEXT,
     "draft_tokens": INT,
     "accepted_length": NUMBER,
 }

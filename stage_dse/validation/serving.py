@@ -155,6 +155,7 @@ def _row(case: Case):
             **engine.cost_columns(),
             # the record's attention_dp_config.enable_balance (TensorRT-LLM), else the engine's
             "dp_context_sync": float(f.get("attention_dp_balance", engine.dp_context_sync)),
+            "kv_reserve_ratio": reserve_ratio(f, engine, case),
             "context_attention_speed": engine.context_attention_speed(
                 serving.weights_dtype, serving.kv_dtype, speedup
             ),
@@ -172,6 +173,31 @@ _FRACTION_FLAGS = {
     "static_reserve": "--mem-fraction-static",
     "free_fraction": "kv_cache_free_gpu_mem_fraction",
 }
+
+
+CAPACITY_SCHEDULERS = {"guaranteed_no_evict": 1.0, "max_utilization": 0.0}
+"""The KV-cache room per running request (``EngineSpec.kv_reserve_ratio``) of TensorRT-LLM's
+capacity scheduler policies a record may state (``capacity_scheduler``): ``GUARANTEED_NO_EVICT``
+(the executor's default) starts a request only if its whole maximum length fits;
+``MAX_UTILIZATION`` "packs as many requests as the underlying TRT engine can support in any
+iteration", blocks allocated as tokens arrive and requests paused when a step finds none
+(TensorRT-LLM performance tuning guide, "Useful Runtime Options"; ``CapacitySchedulerPolicy``).
+NVIDIA's MLPerf Inference harness runs ``max_util`` unless told otherwise (its
+``harness_llm`` main: ``DEFINE_string(trtllm_batch_sched_policy, "max_util", ...)``)."""
+
+
+def reserve_ratio(f: dict, engine: EngineSpec, case: Case) -> float:
+    """The KV-cache room per running request: the record's stated capacity scheduler
+    (:data:`CAPACITY_SCHEDULERS`), else the engine profile's."""
+    policy = f.get("capacity_scheduler")
+    if policy is None:
+        return float(engine.kv_reserve_ratio)
+    if policy not in CAPACITY_SCHEDULERS:
+        raise CorpusError(
+            f"{case.source.file}: run {case.id}: capacity_scheduler={policy!r} is not one of "
+            f"{', '.join(CAPACITY_SCHEDULERS)}"
+        )
+    return CAPACITY_SCHEDULERS[policy]
 
 
 def stated_kv_memory_fraction(f: dict, engine: EngineSpec) -> float | None:
