@@ -39,9 +39,11 @@ hardware and its software stack, shared by every model and GPU count (no per-wor
   tokens or more, balanced routing, one GPU) saturate at 380 TFLOP/s on H100 and H200 for
   TensorRT-LLM 1.3.0rc20, 235-252 for SGLang 0.5.14 and 509-559 for vLLM 0.19-0.24, where the
   bf16 MoE tables reach 600-730. It caps the 16-bit rate (small shapes keep the latency law of
-  the 16-bit kernels). Presets of GPUs without FP4 tensor cores that have such tables (Hopper,
-  Ada) take the median over the engines; others take ``gemm_efficiency`` (Blackwell engines run
-  MXFP4 experts on their FP8 or FP4 tensor cores).
+  the 16-bit kernels). Presets of GPUs with such tables take the median over the engines:
+  Hopper and Ada, where every engine runs MXFP4 experts so, and Blackwell (0.234-0.240 of the
+  bf16 peak; RTX PRO 6000 0.435), where it binds only under an engine that feeds them bf16
+  activations (``EngineSpec.mxfp4_moe_activations``: vLLM's default; TensorRT-LLM and SGLang run
+  them W4A8 on the FP8 tensor cores); the others take ``gemm_efficiency``.
 * ``attention_efficiency``: fused attention kernels (FlashAttention-2 class) relative to peak,
   at head dimension 128.
 * ``attention_half_dim``: how a head dimension ``d`` below 128 slows the compute-bound
