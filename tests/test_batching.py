@@ -312,7 +312,7 @@ def test_each_engine_sizes_its_kv_pool_by_its_own_rule(engine):
 
 def test_a_stated_memory_fraction_comes_from_the_record_or_its_command():
     from stage_dse.config import load_engine
-    from stage_dse.validation.serving import stated_kv_memory_fraction
+    from stage_dse.validation.resolve import stated_kv_memory_fraction
 
     vllm, sglang = load_engine("vllm"), load_engine("sglang")
     command = {"details": {"command": "vllm serve m -tp 8 --gpu-memory-utilization 0.85"}}

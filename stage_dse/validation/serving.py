@@ -48,7 +48,9 @@ from stage_dse.validation.resolve import (
     Unexpressible,
     case_model,
     check_expressible,
+    reserve_ratio,
     result_base,
+    stated_kv_memory_fraction,
     tensorrt_engine_flow,
 )
 
@@ -166,57 +168,6 @@ def _row(case: Case):
         }
     )
     return row, key
-
-
-_FRACTION_FLAGS = {
-    "total_fraction": "--gpu-memory-utilization",
-    "static_reserve": "--mem-fraction-static",
-    "free_fraction": "kv_cache_free_gpu_mem_fraction",
-}
-
-
-CAPACITY_SCHEDULERS = {"guaranteed_no_evict": 1.0, "max_utilization": 0.0}
-"""The KV-cache room per running request (``EngineSpec.kv_reserve_ratio``) of TensorRT-LLM's
-capacity scheduler policies a record may state (``capacity_scheduler``): ``GUARANTEED_NO_EVICT``
-(the executor's default) starts a request only if its whole maximum length fits;
-``MAX_UTILIZATION`` "packs as many requests as the underlying TRT engine can support in any
-iteration", blocks allocated as tokens arrive and requests paused when a step finds none
-(TensorRT-LLM performance tuning guide, "Useful Runtime Options"; ``CapacitySchedulerPolicy``).
-NVIDIA's MLPerf Inference harness runs ``max_util`` unless told otherwise (its
-``harness_llm`` main: ``DEFINE_string(trtllm_batch_sched_policy, "max_util", ...)``)."""
-
-
-def reserve_ratio(f: dict, engine: EngineSpec, case: Case) -> float:
-    """The KV-cache room per running request: the record's stated capacity scheduler
-    (:data:`CAPACITY_SCHEDULERS`), else the engine profile's."""
-    policy = f.get("capacity_scheduler")
-    if policy is None:
-        return float(engine.kv_reserve_ratio)
-    if policy not in CAPACITY_SCHEDULERS:
-        raise CorpusError(
-            f"{case.source.file}: run {case.id}: capacity_scheduler={policy!r} is not one of "
-            f"{', '.join(CAPACITY_SCHEDULERS)}"
-        )
-    return CAPACITY_SCHEDULERS[policy]
-
-
-def stated_kv_memory_fraction(f: dict, engine: EngineSpec) -> float | None:
-    """The memory fraction a record states for its engine's KV-cache rule: its
-    ``kv_memory_fraction``, else the engine's flag in the serving command it quotes
-    (``--gpu-memory-utilization``, ``--mem-fraction-static``,
-    ``kv_cache_free_gpu_mem_fraction``); None where neither says (the engine's default)."""
-    if "kv_memory_fraction" in f:
-        return float(f["kv_memory_fraction"])
-    flag = _FRACTION_FLAGS.get(engine.kv_memory_rule)
-    command = str((f.get("details") or {}).get("command", ""))
-    if flag is None or flag not in command:
-        return None
-    words = command.replace("=", " ").replace(":", " ").split()
-    at = words.index(flag) if flag in words else -1
-    try:
-        return float(words[at + 1]) if at >= 0 else None
-    except (IndexError, ValueError):
-        return None
 
 
 def _layout(f: dict) -> tuple[int, int, int]:
