@@ -219,14 +219,16 @@ def test_trtllm_bench_takes_build_defaults_for_a_quantization_it_does_not_tune()
     assert tuned != UNTUNED_LIMITS and tuned[0] % 32 == 0
 
 
-def test_a_stated_capacity_scheduler_sets_the_kv_room_per_request():
+def test_a_stated_capacity_scheduler_sets_the_kv_room_per_request(tmp_path):
     """TensorRT-LLM's MAX_UTILIZATION policy (NVIDIA's MLPerf harness default) allocates KV
     blocks as tokens arrive: room 0 per request where GUARANTEED_NO_EVICT, the engine's
     default, reserves the whole request; more requests then run at once. An unknown policy
-    is a corpus error naming the field."""
+    is a corpus error naming the field when the corpus is read."""
     import dataclasses
 
-    from stage_dse.validation.corpus import CorpusError, load_corpus
+    import yaml
+
+    from stage_dse.validation.corpus import CorpusError, corpus_root, load_corpus
     from stage_dse.validation.serving import evaluate_serving, prepare
 
     case = next(c for c in load_corpus("serving") if c.id.startswith("mlperf_inf_v51_llama2_70b_b"))
@@ -237,6 +239,12 @@ def test_a_stated_capacity_scheduler_sets_the_kv_room_per_request():
     assert prepare([no_evict]).table["kv_reserve_ratio"].tolist() == [1.0]
     greedy, reserved = evaluate_serving([case]), evaluate_serving([no_evict])
     assert greedy["predicted"].iloc[0] >= reserved["predicted"].iloc[0]
-    bad = dataclasses.replace(case, fields={**fields, "capacity_scheduler": "fifo"})
+    doc = yaml.safe_load(
+        (corpus_root() / "serving" / "mlperf_inference_llama2_70b.yaml").read_text()
+    )
+    run = next(r for r in doc["runs"] if r["id"] == case.id)
+    doc["source"]["id"], run["id"] = "mine", "mine_1"
+    doc["runs"] = [{**run, "capacity_scheduler": "fifo"}]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(doc))
     with pytest.raises(CorpusError, match="capacity_scheduler='fifo'"):
-        prepare([bad])
+        load_corpus("serving", tmp_path)

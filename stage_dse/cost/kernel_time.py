@@ -56,10 +56,15 @@ def _fp8_quantized_numel(op: Op) -> sp.Expr:
     return sp.Integer(0)
 
 
+def _routed_expert(op: Op) -> bool:
+    """A routed expert's op: it runs over the expert token slots (the capacity axis)."""
+    return DIMS.capacity in set(op.axes_iter)
+
+
 def _format_bytes(op: Op | None) -> sp.Expr:
     """The GEMM input format of ``op``'s pass: ``expert_gemm_bytes`` for a routed expert's
     grouped GEMM, ``gemm_bytes`` for the others."""
-    routed = op is not None and DIMS.capacity in set(op.axes_iter)  # as touched_experts
+    routed = op is not None and _routed_expert(op)
     return S.expert_gemm_bytes if routed else S.gemm_bytes
 
 
@@ -149,7 +154,7 @@ def host_launches(op: Op) -> sp.Expr:
         count = _min(1, degree(op.group) - 1)
     else:
         count = sp.Integer(op.kernels)
-        if op.kind is OpKind.EINSUM and DIMS.capacity in set(op.axes_iter):  # expert GEMMs
+        if op.kind is OpKind.EINSUM and _routed_expert(op):  # grouped expert GEMMs
             count = count * (1 + S.expert_gemm_loop * (_local_extents(op)[DIMS.experts] - 1))
     part = {
         Module.ATTN: S.graph_attn,
@@ -168,7 +173,7 @@ def touched_experts(op: Op) -> sp.Expr | None:
     prefill sizes; at small decode batches it is what keeps a 128-expert layer from being
     charged 128 tiles and every expert's weights for a handful of tokens (uneven routing
     touches fewer experts still: this is the upper bound)."""
-    if DIMS.capacity not in set(op.axes_iter):
+    if not _routed_expert(op):
         return None
     tokens = _local_extents(op)[DIMS.capacity] / S.capacity_factor
     return 1 - sp.exp(-tokens)

@@ -23,6 +23,7 @@ import yaml
 from stage_dse.errors import ConfigError
 
 __all__ = [
+    "CAPACITY_SCHEDULERS",
     "SERVING_FIELDS",
     "SERVING_KINDS",
     "TRAINING_FIELDS",
@@ -184,6 +185,16 @@ SERVING_KINDS = {
 SERVING_MODES = ("static", "inflight_max", "online_rate", "closed_loop", "burst", "other")
 """``burst``: ``num_requests`` requests sent at once (benchmarks with an infinite request rate
 and a fixed prompt set); ``other``: a deployment the record describes in ``mode_note``."""
+CAPACITY_SCHEDULERS = {"guaranteed_no_evict": 1.0, "max_utilization": 0.0}
+"""The KV-cache room per running request (``EngineSpec.kv_reserve_ratio``) of TensorRT-LLM's
+capacity scheduler policies a record may state (``capacity_scheduler``): ``GUARANTEED_NO_EVICT``
+(the executor's default) starts a request only if its whole maximum length fits;
+``MAX_UTILIZATION`` "packs as many requests as the underlying TRT engine can support in any
+iteration", blocks allocated as tokens arrive and requests paused when a step finds none
+(TensorRT-LLM performance tuning guide, "Useful Runtime Options"; ``CapacitySchedulerPolicy``).
+NVIDIA's MLPerf Inference harness runs ``max_util`` unless told otherwise (its
+``harness_llm`` main: ``DEFINE_string(trtllm_batch_sched_policy, "max_util", ...)``)."""
+
 STATISTICS = ("mean", "median", "p90", "p95", "p99")
 FLOPS_CONVENTION = {
     "attention": ("none", "full", "causal"),
@@ -459,6 +470,12 @@ def _check_serving(rec: dict, target: dict, label: str) -> None:
     key = need.get(rec["mode"])
     if key and key not in rec:
         raise CorpusError(f"{label}: mode={rec['mode']} needs {key}")
+    policy = rec.get("capacity_scheduler", "guaranteed_no_evict")
+    if policy not in CAPACITY_SCHEDULERS:
+        raise CorpusError(
+            f"{label}: capacity_scheduler={policy!r} is not one of: "
+            f"{', '.join(CAPACITY_SCHEDULERS)}"
+        )
     frac = rec.get("kv_memory_fraction", 1.0)
     if not 0 < frac <= 1:
         raise CorpusError(

@@ -7,10 +7,9 @@ from stage_dse.config import load_model
 from stage_dse.config.presets import list_presets
 from stage_dse.spec import ModelSpec
 from stage_dse.spec.engine import EngineSpec
-from stage_dse.validation.corpus import Case, CorpusError
+from stage_dse.validation.corpus import CAPACITY_SCHEDULERS, Case, CorpusError
 
 __all__ = [
-    "CAPACITY_SCHEDULERS",
     "Unexpressible",
     "case_model",
     "check_expressible",
@@ -82,29 +81,12 @@ _FRACTION_FLAGS = {
 }
 
 
-CAPACITY_SCHEDULERS = {"guaranteed_no_evict": 1.0, "max_utilization": 0.0}
-"""The KV-cache room per running request (``EngineSpec.kv_reserve_ratio``) of TensorRT-LLM's
-capacity scheduler policies a record may state (``capacity_scheduler``): ``GUARANTEED_NO_EVICT``
-(the executor's default) starts a request only if its whole maximum length fits;
-``MAX_UTILIZATION`` "packs as many requests as the underlying TRT engine can support in any
-iteration", blocks allocated as tokens arrive and requests paused when a step finds none
-(TensorRT-LLM performance tuning guide, "Useful Runtime Options"; ``CapacitySchedulerPolicy``).
-NVIDIA's MLPerf Inference harness runs ``max_util`` unless told otherwise (its
-``harness_llm`` main: ``DEFINE_string(trtllm_batch_sched_policy, "max_util", ...)``)."""
-
-
-def reserve_ratio(f: dict, engine: EngineSpec, case: Case) -> float:
+def reserve_ratio(f: dict, engine: EngineSpec) -> float:
     """The KV-cache room per running request: the record's stated capacity scheduler
-    (:data:`CAPACITY_SCHEDULERS`), else the engine profile's."""
+    (:data:`~stage_dse.validation.corpus.CAPACITY_SCHEDULERS`, checked when the corpus is
+    read), else the engine profile's."""
     policy = f.get("capacity_scheduler")
-    if policy is None:
-        return float(engine.kv_reserve_ratio)
-    if policy not in CAPACITY_SCHEDULERS:
-        raise CorpusError(
-            f"{case.source.file}: run {case.id}: capacity_scheduler={policy!r} is not one of "
-            f"{', '.join(CAPACITY_SCHEDULERS)}"
-        )
-    return CAPACITY_SCHEDULERS[policy]
+    return float(engine.kv_reserve_ratio) if policy is None else CAPACITY_SCHEDULERS[policy]
 
 
 def stated_kv_memory_fraction(f: dict, engine: EngineSpec) -> float | None:

@@ -157,7 +157,7 @@ def _row(case: Case):
             **engine.cost_columns(),
             # the record's attention_dp_config.enable_balance (TensorRT-LLM), else the engine's
             "dp_context_sync": float(f.get("attention_dp_balance", engine.dp_context_sync)),
-            "kv_reserve_ratio": reserve_ratio(f, engine, case),
+            "kv_reserve_ratio": reserve_ratio(f, engine),
             "context_attention_speed": engine.context_attention_speed(
                 serving.weights_dtype, serving.kv_dtype, speedup
             ),
