@@ -83,6 +83,7 @@ class ModelConf:
     sparse_attention_topk: int = 0
     indexer_heads: int = 0
     indexer_head_dim: int = 0
+    mtp_layers: int = 0
 
 
 @dataclass

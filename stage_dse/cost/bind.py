@@ -128,6 +128,7 @@ def moe_values(model: ModelSpec) -> dict[str, float]:
         "capacity_factor": float(model.capacity_factor),
         "dense_layers": model.first_dense_layers,
         "moe_interval": model.moe_layer_interval,
+        "mtp_layers": model.mtp_layers,
         "topk_tokens": model.sparse_attention_topk or 1,
         "index_heads": model.indexer_heads or 1,
         "index_dim": model.indexer_head_dim or 1,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import sympy as sp
@@ -300,10 +300,30 @@ def _derive(key: CostKey) -> TrainingCosts:
             parts += [(win, windowed), (blk, -windowed)]
         return parts
 
+    # multi-token prediction (model.mtp_layers, on the last stage): a layer of the block's kind
+    # and a second pass through the output layer, whose weights are the head's own
+    mtp = S.mtp_layers if key.graph.mtp else 0
+    head_pass = replace(
+        head,
+        params=sp.Integer(0),
+        expert_params=sp.Integer(0),
+        expert_model_parallel_numel=sp.Integer(0),
+        weights_numel=sp.Integer(0),
+        model_parallel_numel=sp.Integer(0),
+        optimizer_flops=sp.Integer(0),
+        comm_per_step={},
+    )
+    mtp_parts = [(blk, mtp), (head_pass, mtp)] if key.graph.mtp else []
+
     # (section, count) of the whole model, the first stage and the last stage
-    whole = [(emb, 1), *layer_parts(L, "whole"), (head, 1)]
-    first_parts = [(emb, 1), *layer_parts(first_layers, "first"), (head, single)]
-    last_parts = [*layer_parts(last_layers, "last"), (head, 1)]
+    whole = [(emb, 1), *layer_parts(L, "whole"), (head, 1), *mtp_parts]
+    first_parts = [
+        (emb, 1),
+        *layer_parts(first_layers, "first"),
+        (head, single),
+        *[(sec, single * k) for sec, k in mtp_parts],
+    ]
+    last_parts = [*layer_parts(last_layers, "last"), (head, 1), *mtp_parts]
 
     def total(parts, attr: str, sub=None) -> sp.Expr:
         out = []

@@ -81,7 +81,7 @@ class ServingKey:
 def serving_key(model: ModelSpec, serving: ServingSpec, plan: ParallelPlan) -> ServingKey:
     validate_serving(model, serving, plan)
     like = serving.step_like()
-    graph = graph_key(model, plan, like)
+    graph = dataclasses.replace(graph_key(model, plan, like), mtp=False)  # training modules
     if serving.experts_dtype is not serving.weights_dtype:  # experts in their own format
         graph = dataclasses.replace(graph, expert_param_bytes=serving.experts_dtype.bytes)
     # a dense model's program does not depend on how experts are loaded or reached: one key

@@ -75,6 +75,7 @@ MODEL_KEY_COLUMNS = (
     "sliding_window",
     "sparse_attention",
     "chunked_attention",
+    "mtp",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -148,6 +149,7 @@ def _key_of(values: tuple) -> CostKey:
         fused_elementwise=bool(v["fused_elementwise"]),
         moe_weighted_activation=bool(v["moe_weighted_activation"]),
         hybrid_shard=hybrid,
+        mtp=bool(v.get("mtp", False)),
     )
     recompute = parse_recompute(v["recompute"])
     return CostKey(
@@ -185,6 +187,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "sliding_window": model.has_sliding_window,
         "chunked_attention": model.has_chunked_attention,
         "sparse_attention": model.has_sparse_attention,
+        "mtp": model.mtp_layers > 0,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,

@@ -99,7 +99,7 @@ Model, in order of the terms of ``time_step_s``:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import sympy as sp
@@ -446,7 +446,10 @@ def _derive_time(key: CostKey, measured: bool):
         # of equal layers is sum_i max(0, c_i - f_i) + min(c, f).
         ends = {"first": (sp.Integer(1), single), "last": (sp.Integer(0), sp.Integer(1))}
         e, h = ends.get(label, (sp.Integer(0), sp.Integer(0)))
-        n = {"first": S.first_layers, "last": S.last_layers}.get(label, S.mid_layers)
+        n = {
+            "first": S.first_layers + single * mtp,
+            "last": S.last_layers + mtp,
+        }.get(label, S.mid_layers)
 
         def gather_chain(field: str) -> sp.Expr:
             """Gathers issued a section ahead in forward order (embedding, layers, output
@@ -491,12 +494,20 @@ def _derive_time(key: CostKey, measured: bool):
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
         }
 
+    # multi-token prediction (model.mtp_layers) on the last stage: a layer of the block's kind
+    # and a second pass through the output layer (its weights: no second sync or update)
+    mtp = S.mtp_layers if key.graph.mtp else sp.Integer(0)
+    shared = ("zero_fwd_comm", "zero_bwd_comm", "grad_sync_step", "param_gather_step")
+    shared += ("tp_grad_sync_step", "optimizer_step")
+    mtp_parts = [(blk, mtp), (replace(head, **dict.fromkeys(shared, sp.Integer(0))), mtp)]
+    mtp_parts = mtp_parts if key.graph.mtp else []
     # the layer split (stage_dse.spec.stages): first, last and the fullest middle stage
     first_parts = [*layer_parts(S.first_layers, "first"), (emb, 1), (head, single)]
-    last_parts = [*layer_parts(S.last_layers, "last"), (head, 1)]
+    first_parts += [(sec, single * k) for sec, k in mtp_parts]
+    last_parts = [*layer_parts(S.last_layers, "last"), (head, 1), *mtp_parts]
     stages = {
-        "first": (stage("first", first_parts), S.first_layers, sp.Integer(1)),
-        "last": (stage("last", last_parts), S.last_layers, 1 - single),
+        "first": (stage("first", first_parts), S.first_layers + single * mtp, sp.Integer(1)),
+        "last": (stage("last", last_parts), S.last_layers + mtp, 1 - single),
         "mid": (stage("mid", layer_parts(S.mid_layers, "mid")), S.mid_layers, has_mid),
     }
     # each micro-batch crosses a stage boundary forward and backward once per model chunk

@@ -67,6 +67,9 @@ class GraphKey:
     moe_weighted_activation: bool = False
     """The routing probabilities scale the experts' activation; the combine is an unweighted
     sum that keeps nothing for backward."""
+    mtp: bool = False
+    """Multi-token prediction modules on the last pipeline stage (``ModelSpec.mtp_layers``;
+    training only)."""
     hybrid_shard: bool = False
     """ZeRO states are sharded inside groups of data-parallel ranks replicated over the DR
     mesh axis (``plan.dp_replicate > 1``): the batch is split over DR too."""
@@ -105,4 +108,5 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         fused_elementwise=plan.fused_elementwise,
         moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,
+        mtp=model.mtp_layers > 0,
     )

@@ -80,6 +80,8 @@ class Symbols:
     capacity_factor = _real("capacity_factor")
     dense_layers = _count("dense_layers")
     """Leading dense-MLP layers of a mixture-of-experts model (``first_dense_layers``)."""
+    mtp_layers = _count("mtp_layers")
+    """Multi-token prediction modules on the last pipeline stage (``model.mtp_layers``)."""
     moe_interval = _sym("moe_interval")
     """After them, every ``moe_interval``-th layer is MoE (``moe_layer_interval``; 1 otherwise)."""
     # DeepSeek Sparse Attention (bound to 1 for other models, where they do not appear)

@@ -50,7 +50,8 @@ INT_CONFIG = {
     "ep", "ep_data", "virtual_stages", "offload_layers", "fp8_rowwise", "fp8_wgrad_hp", "fp8_mx",
     "gpus_per_node", "pod_gpus", "zero_stage",
     "grad_bytes", "optimizer_bytes_per_param", "num_gpus", "kv_bytes", "experts", "top_k",
-    "moe_ffn", "shared_experts", "dense_layers", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
+    "moe_ffn", "shared_experts", "dense_layers", "mtp_layers", "q_lora", "kv_lora", "rope_dim",
+    "v_head_dim",
     *STAGE_SYMBOLS, *GRAPH_COLUMNS,
 }  # fmt: skip
 """Integer columns; ``param_bytes`` and ``gemm_bytes`` are not (0.5625 for 4-bit weights)."""
@@ -60,7 +61,7 @@ BOOL_CONFIG = {
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
     "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
-    "chunked_attention",
+    "chunked_attention", "mtp",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")
 """Plan choices that are neither a symbol nor structural (they bind symbol values)."""

@@ -81,6 +81,12 @@ class TraceConfig:
                 f"plan.offload_layers={self.plan.offload_layers}: traces carry no host copies "
                 "yet; trace the plan with offload_layers=0 (its step time is in the row)"
             )
+        if self.model.mtp_layers:
+            raise ConfigError(
+                f"model.mtp_layers={self.model.mtp_layers}: traces carry no multi-token "
+                "prediction modules yet; trace the model with mtp_layers=0 (its step time is "
+                "in the row)"
+            )
 
 
 def build_trace_set(cfg: TraceConfig) -> tuple[Mesh, list[StageTemplate], dict]:

@@ -83,6 +83,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         tied_embeddings=bool(row["tied_embeddings"]),
         bias=bool(row["bias"]),
         dropout=bool(row["dropout"]),
+        mtp_layers=int(_given(row, "mtp_layers", 0)),
         **(
             {
                 "num_experts": int(row["experts"]),

@@ -3,6 +3,8 @@ serving record states about its engine (memory fraction, capacity scheduler)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from stage_dse.config import load_model
 from stage_dse.config.presets import list_presets
 from stage_dse.spec import ModelSpec
@@ -36,16 +38,26 @@ def check_expressible(case: Case) -> None:
 
 
 def case_model(case: Case) -> ModelSpec:
-    """The record's model: a preset name or a mapping of :class:`ModelSpec` fields."""
+    """The record's model: a preset name, a mapping of :class:`ModelSpec` fields, or a preset
+    with some fields changed (``{preset: deepseek_v3, mtp_layers: 1}``)."""
     spec = case.fields["model"]
-    if isinstance(spec, str):
-        if spec not in list_presets("model"):
-            raise Unexpressible(f"no model preset {spec!r} (give the dimensions in the record)")
-        return load_model(spec)
+    if isinstance(spec, dict) and "preset" in spec:
+        spec = dict(spec)
+        base, changes = _preset_model(spec.pop("preset")), spec
+    elif isinstance(spec, str):
+        base, changes = _preset_model(spec), {}
+    else:
+        base, changes = None, spec
     try:
-        return ModelSpec(**spec)
+        return dataclasses.replace(base, **changes) if base else ModelSpec(**changes)
     except TypeError as exc:
         raise CorpusError(f"{case.source.file}: run {case.id}: model: {exc}") from None
+
+
+def _preset_model(name: str) -> ModelSpec:
+    if name not in list_presets("model"):
+        raise Unexpressible(f"no model preset {name!r} (give the dimensions in the record)")
+    return load_model(name)
 
 
 def result_base(case: Case, timing: str) -> dict:
