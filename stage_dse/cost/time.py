@@ -404,6 +404,7 @@ def _derive_time(key: CostKey, measured: bool):
     pp, v = S.pp, S.virtual_stages
     single = _max(0, 2 - pp)
     has_mid = _min(1, _max(0, pp - 2))
+    mtp = S.mtp_layers if key.graph.mtp else sp.Integer(0)  # multi-token prediction modules
 
     def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionTime, sp.Expr]]:
         """Dense-MLP and MoE layers of a stage (stage_dse.graph.layers.dense_layers_among),
@@ -496,7 +497,6 @@ def _derive_time(key: CostKey, measured: bool):
 
     # multi-token prediction (model.mtp_layers) on the last stage: a layer of the block's kind
     # and a second pass through the output layer (its weights: no second sync or update)
-    mtp = S.mtp_layers if key.graph.mtp else sp.Integer(0)
     shared = ("zero_fwd_comm", "zero_bwd_comm", "grad_sync_step", "param_gather_step")
     shared += ("tp_grad_sync_step", "optimizer_step")
     mtp_parts = [(blk, mtp), (replace(head, **dict.fromkeys(shared, sp.Integer(0))), mtp)]
