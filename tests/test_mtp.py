@@ -63,7 +63,7 @@ def test_mtp_sits_on_the_last_pipeline_stage():
     assert mtp["step_s"] > plain["step_s"]
 
 
-def test_mtp_on_one_stage_lengthens_the_step_by_a_layer_and_a_head_pass():
+def test_mtp_on_one_stage_lengthens_the_step_and_updates_the_head_once():
     plan = ParallelPlan(micro_batch_size=1)
     plain, mtp = (evaluate_plan(m, TRAINING, plan) for m in (_moe(0), _moe(1)))
     assert mtp["step_s"] > plain["step_s"]

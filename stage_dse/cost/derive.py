@@ -302,7 +302,7 @@ def _derive(key: CostKey) -> TrainingCosts:
 
     # multi-token prediction (model.mtp_layers, on the last stage): a layer of the block's kind
     # and a second pass through the output layer, whose weights are the head's own
-    mtp = S.mtp_layers if key.graph.mtp else 0
+    mtp = S.mtp_layers
     head_pass = replace(
         head,
         params=sp.Integer(0),

@@ -499,8 +499,8 @@ def _derive_time(key: CostKey, measured: bool):
     # and a second pass through the output layer (its weights: no second sync or update)
     shared = ("zero_fwd_comm", "zero_bwd_comm", "grad_sync_step", "param_gather_step")
     shared += ("tp_grad_sync_step", "optimizer_step")
-    mtp_parts = [(blk, mtp), (replace(head, **dict.fromkeys(shared, sp.Integer(0))), mtp)]
-    mtp_parts = mtp_parts if key.graph.mtp else []
+    head_pass = replace(head, **dict.fromkeys(shared, sp.Integer(0)))
+    mtp_parts = [(blk, mtp), (head_pass, mtp)] if key.graph.mtp else []
     # the layer split (stage_dse.spec.stages): first, last and the fullest middle stage
     first_parts = [*layer_parts(S.first_layers, "first"), (emb, 1), (head, single)]
     first_parts += [(sec, single * k) for sec, k in mtp_parts]

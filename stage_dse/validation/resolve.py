@@ -49,7 +49,7 @@ def case_model(case: Case) -> ModelSpec:
     else:
         base, changes = None, spec
     try:
-        return dataclasses.replace(base, **changes) if base else ModelSpec(**changes)
+        return dataclasses.replace(base, **changes) if base is not None else ModelSpec(**changes)
     except TypeError as exc:
         raise CorpusError(f"{case.source.file}: run {case.id}: model: {exc}") from None
 
