@@ -450,3 +450,15 @@ def test_validate_prints_cases_groups_and_writes_rows(tmp_path, capsys):
     rows = pd.read_parquet(out)
     assert len(rows) == 11 and set(rows["timing_run"]) == {"roofline"}
     assert rows.loc[rows["case"] == "t1", "published"].item() == 2.5
+
+
+def test_a_serving_source_none_of_whose_cases_can_be_expressed_is_reported(capsys):
+    """Every figure of this source names a deployment the model refuses: the command says so
+    per case and in the summary instead of failing on the missing predictions."""
+    from stage_dse.cli.validate import main
+
+    argv = ["timing=roofline", "--kind", "serving", "--source", "vllm_blog_dsr1_gb200_part1"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.count("cannot express: deployment not modelled") == 2
+    assert "serving timing=roofline n=0 cannot_express=2" in text

@@ -555,8 +555,10 @@ def _best_variant(results: pd.DataFrame, asked: list[Case], prepared: Prepared) 
     together."""
     if not prepared.variants or not len(results):
         return results.drop(columns="requests_per_s", errors="ignore")
-    base = results["case"].str.split(VARIANT, regex=False).str[0]
-    option = results["case"].str.split(VARIANT, regex=False).str[1].fillna("")
+    if "requests_per_s" not in results:  # none of the variants could be expressed
+        results = results.assign(requests_per_s=np.nan)
+    parts = results["case"].str.partition(VARIANT)
+    base, option = parts[0], parts[2]  # a case without variants: option ""
     runs = {c.id: _run_of(c) for c in asked}
     run = base.map(runs).fillna(base).to_numpy()
     ok = (results["status"] == "ok").to_numpy()
