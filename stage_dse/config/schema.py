@@ -84,6 +84,7 @@ class ModelConf:
     indexer_heads: int = 0
     indexer_head_dim: int = 0
     mtp_layers: int = 0
+    parallel_block: bool = False
 
 
 @dataclass

@@ -76,6 +76,7 @@ MODEL_KEY_COLUMNS = (
     "sparse_attention",
     "chunked_attention",
     "mtp",
+    "parallel_block",
 )
 TRAINING_KEY_COLUMNS = ("param_bytes", "grad_bytes", "optimizer_bytes_per_param")
 PLAN_KEY_COLUMNS = (
@@ -150,6 +151,7 @@ def _key_of(values: tuple) -> CostKey:
         moe_weighted_activation=bool(v["moe_weighted_activation"]),
         hybrid_shard=hybrid,
         mtp=bool(v.get("mtp", False)),
+        parallel_block=bool(v.get("parallel_block", False)),
     )
     recompute = parse_recompute(v["recompute"])
     return CostKey(
@@ -188,6 +190,7 @@ def model_columns(model: ModelSpec, training: TrainingSpec) -> dict[str, object]
         "chunked_attention": model.has_chunked_attention,
         "sparse_attention": model.has_sparse_attention,
         "mtp": model.mtp_layers > 0,
+        "parallel_block": model.parallel_block,
         "param_bytes": training.params_dtype.bytes,
         "grad_bytes": training.grads_dtype.bytes,
         "optimizer_bytes_per_param": training.optimizer_bytes_per_param,

@@ -218,16 +218,24 @@ class ForwardOps(LayoutOps):
         *inputs: Tensor,
         out_dtype_bytes: sp.Expr | int | None = None,
     ) -> Tensor:
-        """An element-wise kernel over same-shaped inputs (the first input's layout wins)."""
+        """An element-wise kernel over same-shaped inputs (the first input's layout wins). A
+        linear kernel may add pending partial sums of one layout: the result is one pending sum
+        (the parallel block's two branches, reduced once)."""
         base = inputs[0]
-        ins = [base] + [self.redistribute(x, base.layout) for x in inputs[1:]]
-        assert all(not x.partial for x in ins), name
+        if base.partial:
+            assert kind.linear, name
+            assert all(x.layout == base.layout and x.partial == base.partial for x in inputs), name
+            ins = list(inputs)
+        else:
+            ins = [base] + [self.redistribute(x, base.layout) for x in inputs[1:]]
+            assert all(not x.partial for x in ins), name
         out = self.tensor(
             name,
             Role.ACTIVATION,
             base.axes,
             base.layout,
             base.dtype_bytes if out_dtype_bytes is None else out_dtype_bytes,
+            partial=base.partial,
         )
         saved: list[Tensor] = []
         if kind.saves_inputs:

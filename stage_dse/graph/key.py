@@ -70,6 +70,8 @@ class GraphKey:
     mtp: bool = False
     """Multi-token prediction modules on the last pipeline stage (``ModelSpec.mtp_layers``;
     training only)."""
+    parallel_block: bool = False
+    """Attention and MLP in parallel on one norm of the input (``ModelSpec.parallel_block``)."""
     hybrid_shard: bool = False
     """ZeRO states are sharded inside groups of data-parallel ranks replicated over the DR
     mesh axis (``plan.dp_replicate > 1``): the batch is split over DR too."""
@@ -109,4 +111,5 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,
         mtp=model.mtp_layers > 0,
+        parallel_block=model.parallel_block,
     )

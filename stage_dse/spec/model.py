@@ -72,6 +72,15 @@ class ModelSpec:
     """Linear layers carry biases."""
     dropout: bool = True
     """Dropout on attention probabilities, attention/MLP outputs, embeddings (1-byte masks)."""
+    parallel_block: bool = False
+    """Attention and MLP both read one norm of the layer input and their outputs join the
+    residual together, ``x + attn(ln(x)) + mlp(ln(x))`` (GPT-J; PaLM, Chowdhery et al. 2022
+    sec. 2; GPT-NeoX ``gpt_j_residual``; MegaScale, Jiang et al. 2024 sec. 3.1). Training
+    graphs add the two branches' tensor-parallel partial sums and reduce them once, as
+    GPT-NeoX and MegaScale do (one all-reduce, or one reduce-scatter and one all-gather with
+    sequence parallelism, per layer instead of two); serving graphs reduce each branch, as
+    vLLM's and TensorRT-LLM's GPT-J layers do. Dense models with standard attention only.
+    Models with two norms of the input (GPT-NeoX-20B, Falcon-40B/180B) differ by one norm."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
     top_k: int = 0
@@ -215,6 +224,11 @@ class ModelSpec:
             )
         self._check_window()
         self._check_sparse()
+        if self.parallel_block and (self.is_moe or self.is_mla):
+            raise ConfigError(
+                "model.parallel_block is modelled for dense models with standard attention; "
+                f"set it false for {'num_experts > 0' if self.is_moe else 'q_lora_rank > 0'}"
+            )
 
     def _check_sparse(self) -> None:
         fields = ("sparse_attention_topk", "indexer_heads", "indexer_head_dim")

@@ -84,6 +84,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         bias=bool(row["bias"]),
         dropout=bool(row["dropout"]),
         mtp_layers=int(_given(row, "mtp_layers", 0)),
+        parallel_block=bool(_given(row, "parallel_block", False)),
         **(
             {
                 "num_experts": int(row["experts"]),
