@@ -21,7 +21,9 @@ from stage_dse.spec import ParallelPlan, TrainingSpec
 from stage_dse.spec.plan import MeshAxis
 from stage_dse.spec.serving import ServingSpec
 from stage_dse.trace import check_trace_dir
+from stage_dse.trace.build import TraceConfig
 from stage_dse.trace.serving import write_serving_trace
+from stage_dse.trace.write import write_trace_set
 
 TRAINING = TrainingSpec(seq_len=2048, global_batch_size=16)
 A100, DGX = load_hardware("a100_80gb"), load_cluster("dgx_a100")
@@ -103,6 +105,28 @@ def test_a_parallel_block_decode_trace_passes_the_checker(tmp_path):
     assert check_trace_dir(tmp_path) == []
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
+
+
+def _training_trace(tmp_path, model):
+    plan = ParallelPlan(dp=2, tp=2, pp=2, sequence_parallel=True, micro_batch_size=1)
+    training = TrainingSpec(seq_len=128, global_batch_size=8)
+    h100 = load_hardware("h100_sxm")
+    cfg = TraceConfig(model, training, plan, h100, load_cluster("dgx_h100", num_gpus=8))
+    write_trace_set(cfg, tmp_path)
+    assert check_trace_dir(tmp_path) == []
+    return json.loads((tmp_path / "manifest.json").read_text())
+
+
+def test_a_parallel_block_training_trace_passes_the_checker_with_fewer_collectives(tmp_path):
+    small = {"hidden_size": 256, "ffn_hidden_size": 1024, "num_heads": 4, "num_kv_heads": 4}
+    small |= {"head_dim": 64, "vocab_size": 1024}
+    par = _training_trace(tmp_path / "par", dataclasses.replace(PARALLEL, **small))
+    seq = _training_trace(tmp_path / "seq", dataclasses.replace(GPTJ, **small))
+    assert par["comp_flops_total"] == par["analytic_flops_total"]
+    # per layer and micro-batch: one collective fewer each way (and the second norm's
+    # kernels), the same compute otherwise
+    assert par["total_nodes"] < seq["total_nodes"]
+    assert par["analytic_flops_total"] == pytest.approx(seq["analytic_flops_total"], rel=1e-2)
 
 
 @pytest.mark.parametrize("preset", ["mixtral_8x7b", "deepseek_v3"])
