@@ -376,6 +376,8 @@ def _derive(key: CostKey) -> TrainingCosts:
             "optimizer": sharded(dense, expert, zero >= 1) * ob,
         }
 
+    dual = key.schedule is PipelineSchedule.DUALPIPE
+
     def inflight(stage: sp.Expr) -> sp.Expr:
         """Micro-batches of a stage's activations alive at its peak (layer-weighted): 1F1B
         holds pp - stage; the interleaved schedule 2(pp - stage - 1) + (v - 1) pp + 1 chunks
@@ -383,6 +385,8 @@ def _derive(key: CostKey) -> TrainingCosts:
         Korthikanti et al.'s pp (1 + (pp - 1) / (pp v)))."""
         if key.schedule is PipelineSchedule.INTERLEAVED:
             return _min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
+        if dual:  # pp + 1 stage-micro-batches over the rank's two stages (report Table 2)
+            return _min(pp + 1, m) / 2
         return _min(pp - stage, m)
 
     working = blk.recompute_working_bytes[mode]
@@ -402,32 +406,41 @@ def _derive(key: CostKey) -> TrainingCosts:
             "recompute_working": working,
         }
 
-    candidates = [
-        (
-            sp.Integer(0),
-            sp.Integer(1),
-            stage_memory(
-                first_parts,
-                head_unique_numel,
-                head_unique_mp,
-                0,
-                single * head.kept_bytes[mode],
+    if dual:  # DualPipe: rank i holds stage i and stage pp - 1 - i (the ends: a tied head
+        # shares the embedding's copy)
+        ends_parts = [(emb, 1), *layer_parts(first_layers, "first")]
+        ends_parts += [*layer_parts(last_layers, "last"), (head, 1), *mtp_parts]
+        ends = stage_memory(ends_parts, head_unique_numel, head_unique_mp, 0, head.kept_bytes[mode])
+        candidates = [(sp.Integer(0), sp.Integer(1), ends), (pp - 1, multi, ends)]
+    else:
+        candidates = [
+            (
+                sp.Integer(0),
+                sp.Integer(1),
+                stage_memory(
+                    first_parts,
+                    head_unique_numel,
+                    head_unique_mp,
+                    0,
+                    single * head.kept_bytes[mode],
+                ),
             ),
-        ),
-        (
-            pp - 1,
-            multi,
-            stage_memory(
-                last_parts,
-                head.weights_numel,
-                head.model_parallel_numel,
+            (
                 pp - 1,
-                head.kept_bytes[mode],
+                multi,
+                stage_memory(
+                    last_parts,
+                    head.weights_numel,
+                    head.model_parallel_numel,
+                    pp - 1,
+                    head.kept_bytes[mode],
+                ),
             ),
-        ),
-    ]
+        ]
     for index, layers in ((S.mid_stage, S.mid_layers), (S.act_stage, S.act_layers)):
         mid_parts = layer_parts(layers, "mid")
+        if dual:
+            mid_parts = [(sec, 2 * c) for sec, c in mid_parts]
         candidates.append((index, has_mid, stage_memory(mid_parts, 0, 0, index, 0)))
     totals = [on * _sum(parts.values()) for _, on, parts in candidates]
     memory = {}

@@ -10,7 +10,8 @@ import sympy as sp
 
 from stage_dse.cost.derive import CostKey
 from stage_dse.cost.expr import _max, _min
-from stage_dse.graph.ir import CollKind
+from stage_dse.cost.kernel_time import Kernel, KernelSet
+from stage_dse.graph.ir import CollKind, Op
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis
 
@@ -233,3 +234,37 @@ def embedding_sync_time(size_bytes: sp.Expr, rank_order: tuple[MeshAxis, ...]) -
     pipeline: a two-rank ring is a reduce-scatter and an all-gather, each moving half the
     buffer over the pipeline's slowest hop (0 when pp == 1)."""
     return 2 * collective_time(CollKind.SEND_RECV, {MeshAxis.PP}, size_bytes / 2, rank_order)
+
+
+def _coll_time(
+    coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet | None, copies=None
+) -> sp.Expr:
+    t = collective_time(coll, group, size, order, copies)
+    if kernels is None or coll.value not in (
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+    ):
+        return t
+    n_in, n_out, _ = group_tiers(frozenset(group), order)
+    intra = domain_collective_time(coll, n_in, size)
+    return kernels.time(Kernel(coll.value, (size, n_in, n_out, intra), t))
+
+
+EAGER_COPY_S = 5e-6
+"""Host time of one small eagerly dispatched tensor copy (ATen dispatch and CUDA launch: a few
+microseconds, the per-op CPU cost CUDA graphs remove; PyTorch blog "Accelerating PyTorch with
+CUDA Graphs", 2021). A list-form collective issues one per rank, back to back."""
+
+
+def _per_tensor_time(op: Op, order, kernels: KernelSet | None) -> sp.Expr:
+    """One parameter tensor's own list-form collective (DeepSpeed 0.3's ZeRO-3 over
+    ``torch.distributed.all_gather`` / ``reduce_scatter`` with a tensor per rank): the NCCL
+    collective, and the copy of each rank's piece out of (all-gather) or into (reduce-scatter)
+    the flat buffer NCCL works on, one per rank (PyTorch ``ProcessGroupNCCL::allgather``
+    copies ``outputTensors[i][j]`` from the flattened output one by one), streaming the
+    buffer once besides."""
+    ranks = sp.Mul(*[DEGREE[a] for a in op.group])
+    copies = ranks * EAGER_COPY_S + 2 * op.comm_bytes / (S.hbm_bandwidth * S.memory_efficiency)
+    return _coll_time(op.coll, op.group, op.comm_bytes, order, kernels) + copies

@@ -80,7 +80,11 @@ Model, in order of the terms of ``time_step_s``:
   slowest stage, i.e. a bubble of ``(pp-1)/(v*m)``. Stages hold the layers
   ``plan.stage_layers`` gives them (:mod:`stage_dse.spec.stages`); the first (with the
   embeddings), the last (with the output layer and loss) and the fullest middle stage are
-  timed, and the slowest sets the pace.
+  timed, and the slowest sets the pace. DualPipe (DeepSeek-V3 report sec. 3.2.1, Table 2):
+  rank ``i`` runs stages ``i`` and ``pp - 1 - i`` (half the micro-batches each, the ends
+  pairing the first and last stages), the sends hide under the chunk pair's compute, and
+  the bubble is ``(pp/2 - 1)(F&B + B - 3W)`` with ``F&B = F + B`` and ``W`` the
+  weight-gradient GEMMs; each rank syncs and updates two stages' parameters.
 * **Data parallel**: with ``overlap_grad_reduce`` each section's gradient bucket is issued as
   the last micro-batch's backward leaves it and the buckets queue on one communicator: what
   outlasts the backward after the first bucket is exposed, and at least the last (the
@@ -125,8 +129,9 @@ from stage_dse.cost.kernel_time import (  # noqa: F401  (re-exported: one op's k
     touched_experts,
 )
 from stage_dse.cost.network import (
+    _coll_time,
+    _per_tensor_time,
     collective_time,
-    domain_collective_time,
     embedding_sync_time,
     group_tiers,
     pipeline_hop_time,
@@ -135,7 +140,7 @@ from stage_dse.cost.overlap import _bucket_queue, _hidden
 from stage_dse.cost.recompute import recomputed_ops
 from stage_dse.graph.backward import async_partners
 from stage_dse.graph.core import Graph
-from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase
+from stage_dse.graph.ir import CollKind, Frequency, Op, OpKind, Phase, Role
 from stage_dse.graph.layers import dense_layers_among, windowed_layers_among
 from stage_dse.graph.symbols import DEGREE, S
 from stage_dse.spec import MeshAxis, PipelineSchedule, Recompute
@@ -160,6 +165,8 @@ class SectionTime:
     bwd: sp.Expr
     """Backward compute including recomputed forward ops."""
     gemm: sp.Expr
+    wgrad: sp.Expr
+    """The weight-gradient GEMMs (in ``bwd``)."""
     attention: sp.Expr
     tp_comm: sp.Expr
     tp_comm_exposed: sp.Expr
@@ -215,40 +222,6 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         kernel = Kernel("attention", shape, _other_time(op, saved) * clock * op.speed, scale)
         return kernels.time(kernel) / (clock * op.speed)  # op.speed: slower than the tables'
     return _roofline_time(op, saved)
-
-
-def _coll_time(
-    coll: CollKind, group, size: sp.Expr, order, kernels: KernelSet | None, copies=None
-) -> sp.Expr:
-    t = collective_time(coll, group, size, order, copies)
-    if kernels is None or coll.value not in (
-        "all_reduce",
-        "all_gather",
-        "reduce_scatter",
-        "all_to_all",
-    ):
-        return t
-    n_in, n_out, _ = group_tiers(frozenset(group), order)
-    intra = domain_collective_time(coll, n_in, size)
-    return kernels.time(Kernel(coll.value, (size, n_in, n_out, intra), t))
-
-
-EAGER_COPY_S = 5e-6
-"""Host time of one small eagerly dispatched tensor copy (ATen dispatch and CUDA launch: a few
-microseconds, the per-op CPU cost CUDA graphs remove; PyTorch blog "Accelerating PyTorch with
-CUDA Graphs", 2021). A list-form collective issues one per rank, back to back."""
-
-
-def _per_tensor_time(op: Op, order, kernels: KernelSet | None) -> sp.Expr:
-    """One parameter tensor's own list-form collective (DeepSpeed 0.3's ZeRO-3 over
-    ``torch.distributed.all_gather`` / ``reduce_scatter`` with a tensor per rank): the NCCL
-    collective, and the copy of each rank's piece out of (all-gather) or into (reduce-scatter)
-    the flat buffer NCCL works on, one per rank (PyTorch ``ProcessGroupNCCL::allgather``
-    copies ``outputTensors[i][j]`` from the flattened output one by one), streaming the
-    buffer once besides."""
-    ranks = sp.Mul(*[DEGREE[a] for a in op.group])
-    copies = ranks * EAGER_COPY_S + 2 * op.comm_bytes / (S.hbm_bandwidth * S.memory_efficiency)
-    return _coll_time(op.coll, op.group, op.comm_bytes, order, kernels) + copies
 
 
 def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -> SectionTime:
@@ -321,6 +294,8 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
         acc[f"host_{phase}"].append(S.host_op_s * host_launches(op) * (share if is_rerun else 1))
         if op.kind is OpKind.EINSUM:
             acc["gemm"].append(t)
+            if op.outputs[0].role is Role.GRAD:
+                acc["wgrad"].append(t)
         if op.kind is OpKind.ATTENTION or (op.matmul and op.region.value != "none"):
             acc["attention"].append(t)
     for (name, coll, group, _), size in buckets.items():
@@ -332,6 +307,7 @@ def section_time(graph: Graph, key: CostKey, kernels: KernelSet | None = None) -
         fwd=_max(_sum(acc["fwd"]), _sum(acc["host_fwd"]) - fwd_comm),
         bwd=_max(_sum(acc["bwd"]), _sum(acc["host_bwd"]) - bwd_comm),
         gemm=_sum(acc["gemm"]),
+        wgrad=_sum(acc["wgrad"]),
         attention=_sum(acc["attention"]),
         tp_comm=_sum(acc["tp_comm"]),
         tp_comm_exposed=_sum(acc["tp_comm_exposed"]),
@@ -492,6 +468,7 @@ def _derive_time(key: CostKey, measured: bool):
             "param_gather_chain": define(f"{label}_param_gather_chain", param_chain),
             "tp_grad_sync": define(f"{label}_tp_grad_sync", tot("tp_grad_sync_step")),
             "bwd_cover": tot("bwd") + tot("bwd_comm"),
+            "wgrad": tot("wgrad"),
             "optimizer": define(f"{label}_optimizer", tot("optimizer_step")),
         }
 
@@ -514,6 +491,9 @@ def _derive_time(key: CostKey, measured: bool):
     chunks = v if key.schedule is PipelineSchedule.INTERLEAVED else 1
     hop = pipeline_hop_time(costs.stage["boundary_bytes"], key)
     p2p = define("p2p", 2 * chunks * hop)
+    dual = key.schedule is PipelineSchedule.DUALPIPE
+    if dual:  # the sends of a chunk pair hide under its compute (DeepSeek-V3 sec. 3.2.1)
+        p2p = define("p2p_exposed", _hidden(p2p, fcover(blk) + bcover(blk)))
     # tied embeddings: their gradients are summed over the embedding group after the last
     # backward, before the optimizer step (not overlapped, as in Megatron-LM)
     emb_bytes = costs.comm_bytes.get(f"{CollKind.ALL_REDUCE.value}_{EMBEDDING_GROUP}", 0)
@@ -535,14 +515,22 @@ def _derive_time(key: CostKey, measured: bool):
 
     # every stage runs every micro-batch: the slowest stage sets the pace
     t = {name: on * define(f"t_mb_{name}", mb_time(st)) for name, (st, _, on) in stages.items()}
-    w_first, w_last, w_mid = first_max_weights([t["first"], t["last"], t["mid"]])
+    if dual:  # rank i runs stage i and stage pp - 1 - i, half the micro-batches each
+        ends = (t["first"] + t["last"]) / 2
+        w_ends, w_mid = first_max_weights([ends, t["mid"]])
+        w_first = w_last = w_ends / 2
+        t = {"ends": ends, "mid": t["mid"]}
+    else:
+        w_first, w_last, w_mid = first_max_weights([t["first"], t["last"], t["mid"]])
 
     def pick(name: str) -> sp.Expr:
         st = {k: s for k, (s, _, _) in stages.items()}
         return w_first * st["first"][name] + w_last * st["last"][name] + w_mid * st["mid"][name]
 
     t_mb = _max(*t.values())
-    bubble_mb = (pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1
+    bubble = ((pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1) * t_mb
+    if dual:  # (pp/2 - 1)(F&B + B - 3W): the pair's compute F + B, W its weight gradients
+        bubble = (pp / 2 - 1) * (pick("fwd") + 2 * pick("bwd") - 3 * pick("wgrad"))
     # data-parallel gradient buckets of each stage queue on one communicator behind the last
     # micro-batch's backward (_bucket_queue), the parameter gathers of ZeRO-1/2 under the next
     # step's first forward, a layer ahead (Megatron-LM's forward pre-hook); the tensor-parallel
@@ -566,6 +554,11 @@ def _derive_time(key: CostKey, measured: bool):
             p = st["param_gather_chain"]
         grad_syncs.append(on * (g + st["tp_grad_sync"]))
         param_gathers.append(on * p)
+    optimizers = [on * st["optimizer"] for st, _, on in stages.values()]
+    if dual:  # each rank syncs and updates its two stages
+        grad_syncs, param_gathers, optimizers = (
+            [x[0] + x[1], 2 * x[2]] for x in (grad_syncs, param_gathers, optimizers)
+        )
     grad_sync, param_gather = _max(*grad_syncs), _max(*param_gathers)
     out: dict[str, sp.Expr] = {
         "compute_s": m * pick("compute"),
@@ -574,10 +567,10 @@ def _derive_time(key: CostKey, measured: bool):
         "cp_comm_s": m * pick("cp"),
         "zero_comm_s": m * pick("zero"),
         "pp_comm_s": m * p2p + emb_sync,
-        "bubble_s": bubble_mb * t_mb,
+        "bubble_s": bubble,
         "offload_s": m * offload,
         "dp_comm_s": grad_sync + param_gather,
-        "optimizer_s": _max(*[on * st["optimizer"] for st, _, on in stages.values()]),
+        "optimizer_s": _max(*optimizers),
     }
     step = define("step", _sum(out.values()))
     out["step_s"] = step

@@ -94,6 +94,14 @@ class PipelineSchedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     """Interleaved 1F1B with ``virtual_stages`` model chunks per GPU (Narayanan et al. SC21)."""
+    DUALPIPE = "dualpipe"
+    """DeepSeek-V3's bidirectional schedule (DeepSeek-AI, "DeepSeek-V3 Technical Report",
+    arXiv:2412.19437, sec. 3.2.1 and Table 2): micro-batches enter from both ends, so rank
+    ``i`` holds stage ``i`` and stage ``pp - 1 - i`` (two copies of the parameters), a forward
+    and a backward chunk of two micro-batches run as one pair whose all-to-all and pipeline
+    communication hide under each other's compute, and the bubble is
+    ``(pp/2 - 1)(F&B + B - 3W)`` against 1F1B's ``(pp - 1)(F + B)``; ``pp + 1`` micro-batches
+    of activations in flight. Needs an even ``pp`` and an even number of micro-batches."""
 
 
 DEFAULT_RANK_ORDER: tuple[MeshAxis, ...] = (
@@ -317,7 +325,12 @@ class ParallelPlan:
                     f"plan.schedule=interleaved needs virtual_stages >= 2, "
                     f"got virtual_stages({self.virtual_stages})"
                 )
-        elif self.virtual_stages != 1:
+        elif self.schedule is PipelineSchedule.DUALPIPE and self.pp % 2:
+            raise ConfigError(
+                f"plan.schedule=dualpipe needs an even pp (stage i pairs with pp - 1 - i), "
+                f"got pp({self.pp})"
+            )
+        if self.schedule is not PipelineSchedule.INTERLEAVED and self.virtual_stages != 1:
             raise ConfigError(
                 f"plan.virtual_stages({self.virtual_stages}) > 1 needs schedule=interleaved"
             )
@@ -507,6 +520,11 @@ def validate_plan(
         raise ConfigError(
             f"global_batch({training.global_batch_size}) not divisible by "
             f"dp({plan.dp})*micro_batch({plan.micro_batch_size})={per_step}"
+        )
+    if plan.schedule is PipelineSchedule.DUALPIPE and plan.num_microbatches(training) % 2:
+        raise ConfigError(
+            f"num_microbatches({plan.num_microbatches(training)}) is odd: plan.schedule="
+            "dualpipe feeds half the micro-batches from each end of the pipeline"
         )
     if plan.schedule is PipelineSchedule.INTERLEAVED:
         m = plan.num_microbatches(training)

@@ -159,7 +159,8 @@ def training_setup(case: Case) -> TrainingSetup:
         if name in case.candidates:
             axes[name] = case.candidates[name]
         elif name in case.unstated and name not in f:
-            if name == "virtual_stages" and (f.get("pp", 1) == 1 or f.get("schedule") == "1f1b"):
+            single = f.get("schedule") in ("1f1b", "dualpipe")
+            if name == "virtual_stages" and (f.get("pp", 1) == 1 or single):
                 axes[name] = (1,)
             elif name == "virtual_stages" and f.get("schedule") == "interleaved":
                 axes[name] = tuple(v for v in DEFAULT_CANDIDATES[name] if v > 1)
@@ -228,7 +229,7 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
         micro_batch_size=f.get("micro_batch", 1),
         recompute=f.get("recompute", "none"),
         attention=f.get("attention", framework.attention),
-        schedule="interleaved" if v > 1 else "1f1b",
+        schedule="interleaved" if v > 1 else f.get("schedule", "1f1b"),
         virtual_stages=v,
         offload_layers=f.get("offload_layers", 0),
         cuda_graphs=f.get("cuda_graphs", "none"),
@@ -278,6 +279,8 @@ def plan_label(plan: ParallelPlan) -> str:
         parts.append(f"ep{plan.ep}" + ("(over tp)" if plan.ep_over_tp else ""))
     if plan.virtual_stages > 1:
         parts.append(f"v{plan.virtual_stages}")
+    if plan.schedule.value == "dualpipe":
+        parts.append("dualpipe")
     parts.append(f"mb{plan.micro_batch_size}")
     parts.append(f"zero{plan.zero_stage}")
     if plan.hybrid_shard:
