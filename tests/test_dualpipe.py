@@ -78,3 +78,30 @@ def test_traces_refuse_the_schedule_with_the_fix():
     plan = ParallelPlan(dp=2, pp=2, micro_batch_size=1, schedule="dualpipe")
     with pytest.raises(ConfigError, match="schedule=dualpipe: traces carry"):
         TraceConfig(MODEL, TRAINING, plan, H100, load_cluster("dgx_h100", num_gpus=8))
+
+
+def test_a_table_of_dualpipe_plans_matches_the_per_plan_answers():
+    from stage_dse.cost.table import evaluate_plans, plans_table
+
+    cluster = load_cluster("dgx_h100", num_gpus=16)
+    plans = [ParallelPlan(dp=16 // pp, pp=pp, micro_batch_size=1, schedule=s)
+             for pp in (2, 4) for s in ("1f1b", "dualpipe")]  # fmt: skip
+    table = evaluate_plans(plans_table(MODEL, TRAINING, plans, H100, cluster))
+    for i, plan in enumerate(plans):
+        one = _evaluate_plan(MODEL, TRAINING, plan, hardware=H100, cluster=cluster)
+        for col in ("step_s", "bubble_s", "mem_total_bytes"):
+            assert table[col].iloc[i] == pytest.approx(one[col], rel=1e-9), (plan.schedule, col)
+
+
+def test_a_sweep_ranges_over_dualpipe_and_names_the_plans_it_rejects():
+    from stage_dse.search.space import enumerate_plans
+    from stage_dse.spec.sweep import SearchSpace
+
+    space = SearchSpace(tp=(1,), pp=(1, 2, 4), cp=(1,), ep=(1,), dualpipe=(False, True),
+                        micro_batch_size=(1,), zero_stage=(1,), recompute=("none",),
+                        sequence_parallel=(False,))  # fmt: skip
+    cluster = load_cluster("dgx_h100", num_gpus=16)
+    found = enumerate_plans(MODEL, TRAINING, H100, cluster, space)
+    assert found.rejected["dualpipe needs an even pp"] == 1  # pp 1
+    schedules = found.table.groupby("pp")["schedule"].apply(lambda s: sorted(set(map(str, s))))
+    assert schedules.to_dict() == {1: ["1f1b"], 2: ["1f1b", "dualpipe"], 4: ["1f1b", "dualpipe"]}

@@ -55,6 +55,7 @@ def to_search_space(plan: dict) -> SearchSpace:
         "sequence_parallel",
         "attention",
         "virtual_stages",
+        "dualpipe",
         "rank_order",
         "offload_layers",
         "cuda_graphs",

@@ -35,7 +35,7 @@ headroom first instead of ranking them by noise."""
 SUMMARY_COLUMNS = (
     "config_hash", "run_id", "status", "reason", "model", "hardware", "num_gpus", "dp", "tp",
     "pp", "cp", "ep", "micro_batch", "zero_stage", "dp_replicate", "recompute", "sequence_parallel",
-    "virtual_stages", "stage_layers", "framework", "step_s", "mfu", "mem_total_bytes",
+    "virtual_stages", "schedule", "stage_layers", "framework", "step_s", "mfu", "mem_total_bytes",
     "mem_headroom_bytes", "measured_share",
 )  # fmt: skip
 """The columns the summary reads: those of the top table, the closest misses and the counts."""

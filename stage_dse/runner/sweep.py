@@ -113,17 +113,20 @@ def family_keys(spec: SweepSpec) -> list:
     hybrid = sorted({g > 0 for g in sp.shard_group})
     keys = set()
     for model in spec.models:
-        for fw, zero, rc, seq_par, att, v, order, replicas in product(
+        for fw, zero, rc, seq_par, att, v, dual, order, replicas in product(
             sp.frameworks,
             sp.zero_stage,
             sp.recompute,
             sp.sequence_parallel,
             sp.attention,
             sorted({min(v, 2) for v in sp.virtual_stages}),
+            sorted(set(sp.dualpipe)),
             sp.rank_order,
             [2 if h else 1 for h in hybrid],
         ):
-            if (seq_par and not tp_many) or (v > 1 and not pp_many):
+            if (seq_par and not tp_many) or ((v > 1 or dual) and not pp_many):
+                continue
+            if dual and v > 1:
                 continue
             if replicas > 1 and zero == 0:
                 continue
@@ -131,12 +134,12 @@ def family_keys(spec: SweepSpec) -> list:
                 dp=replicas,
                 dp_replicate=replicas,
                 tp=2 if seq_par else 1,
-                pp=2 if v > 1 else 1,
+                pp=2 if v > 1 or dual else 1,
                 zero_stage=zero,
                 recompute=rc,
                 sequence_parallel=seq_par,
                 attention=att,
-                schedule="interleaved" if v > 1 else "1f1b",
+                schedule="interleaved" if v > 1 else "dualpipe" if dual else "1f1b",
                 virtual_stages=v,
                 rank_order=order,
                 **fw.plan_flags(),
@@ -439,6 +442,9 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
     if replicas is not None and (replicas.fillna(1) > 1).any():  # hybrid sharding: say how
         at = table.columns.get_loc("zero") + 1
         table.insert(at, "replicas", replicas.fillna(1).astype(int))
+    schedules = best.get("schedule")
+    if schedules is not None and (schedules.astype(str) == "dualpipe").any():  # say which
+        table.insert(table.columns.get_loc("chunks") + 1, "schedule", schedules.astype(str))
     frameworks = best.get("framework")
     if frameworks is not None and frameworks.nunique() > 1:  # a sweep over frameworks
         table.insert(2, "framework", frameworks.astype(str))

@@ -190,7 +190,10 @@ class PlanGrid:
             "zero_stage": values("zero_stage"),
             "recompute": labels("recompute"),
             "attention": labels("attention"),
-            "schedule": Labels((v_sel > 1).astype(np.int8), ["1f1b", "interleaved"]),
+            "schedule": Labels(
+                np.where(values("dualpipe", bool), 2, v_sel > 1).astype(np.int8),
+                ["1f1b", "interleaved", "dualpipe"],
+            ),
             "rank_order": labels("rank_order"),
         }
         return PlanColumns(len(at["triple"]), columns)
@@ -246,6 +249,7 @@ def plan_grid(
         "sequence_parallel": list(dict.fromkeys(space.sequence_parallel)),
         "attention": list(dict.fromkeys(space.attention)),
         "rank_order": list(dict.fromkeys(space.rank_order)),
+        "dualpipe": list(dict.fromkeys(space.dualpipe)),
         "virtual_stages": sorted(set(space.virtual_stages)),
         "triple": triples,
         "stage_layers": list(space.stage_layers),
@@ -302,6 +306,7 @@ def plan_grid(
         if (why := _absent_module(model, r)) is not None
     ]
     v = grid("virtual_stages").astype(np.int64)
+    dual = grid("dualpipe").astype(bool)
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
     etp = grid("expert_tensor_parallel").astype(bool)
@@ -342,6 +347,9 @@ def plan_grid(
             hybrid & (group % np.maximum(np.where(fold, ep // np.maximum(tp, 1), ep), 1) != 0),
         ),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
+        ("dualpipe needs an even pp", dual & (pp % 2 != 0)),
+        ("dualpipe runs one chunk per stage (virtual_stages=1)", dual & (v > 1)),
+        ("dualpipe needs an even number of micro-batches", dual & (m % 2 != 0)),
         (f"offload_layers must be below layers({L})", offload >= L),
         ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),
         ("offload_layers needs recompute=none", (offload > 0) & recompute),

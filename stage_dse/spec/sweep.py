@@ -79,6 +79,9 @@ class SearchSpace:
     attention: Sequence[str] = ("flash",)
     virtual_stages: Sequence[int] = (1,)
     """1 means the 1F1B schedule; v > 1 the interleaved schedule with v chunks."""
+    dualpipe: Sequence[bool] = (False,)
+    """True: DeepSeek-V3's DualPipe schedule in place of 1F1B (``PipelineSchedule.DUALPIPE``;
+    plans with an even ``pp``, one chunk per stage and an even number of micro-batches)."""
     stage_layers: Sequence[str] = ("balanced",)
     """Layer splits over pipeline stages (:mod:`stage_dse.spec.stages`): ``balanced``,
     ``ceil`` or explicit lists of layers per virtual stage."""
