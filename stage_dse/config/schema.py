@@ -200,8 +200,9 @@ class PlanConf:
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
     attention: list[str] = field(default_factory=lambda: ["flash"])
     virtual_stages: list[int] = field(default_factory=lambda: [1])
-    dualpipe: list[bool] = field(default_factory=lambda: [False])
-    """DeepSeek-V3's DualPipe schedule instead of 1F1B (true; even pp, virtual_stages 1)."""
+    schedule: list[str] = field(default_factory=lambda: ["1f1b"])
+    """Pipeline schedules: 1f1b (interleaved where virtual_stages > 1), zb1p (zero bubble) and
+    dualpipe (DeepSeek-V3; even pp); the last two with virtual_stages 1."""
     stage_layers: list[Any] = field(default_factory=lambda: ["balanced"])
     """Layer splits over pipeline stages: balanced, ceil, or lists of layers per virtual stage."""
     rank_order: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp"])

@@ -55,7 +55,7 @@ def to_search_space(plan: dict) -> SearchSpace:
         "sequence_parallel",
         "attention",
         "virtual_stages",
-        "dualpipe",
+        "schedule",
         "rank_order",
         "offload_layers",
         "cuda_graphs",

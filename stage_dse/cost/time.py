@@ -84,7 +84,9 @@ Model, in order of the terms of ``time_step_s``:
   rank ``i`` runs stages ``i`` and ``pp - 1 - i`` (half the micro-batches each, the ends
   pairing the first and last stages), the sends hide under the chunk pair's compute, and
   the bubble is ``(pp/2 - 1)(F&B + B - 3W)`` with ``F&B = F + B`` and ``W`` the
-  weight-gradient GEMMs; each rank syncs and updates two stages' parameters.
+  weight-gradient GEMMs; each rank syncs and updates two stages' parameters. ZB-H1 (Qi et
+  al. ICLR 2024): the weight-gradient GEMMs of the last micro-batches fill the 1F1B bubble,
+  ``(pp - 1)(t_mb - 2W)``.
 * **Data parallel**: with ``overlap_grad_reduce`` each section's gradient bucket is issued as
   the last micro-batch's backward leaves it and the buckets queue on one communicator: what
   outlasts the backward after the first bucket is exposed, and at least the last (the
@@ -531,6 +533,8 @@ def _derive_time(key: CostKey, measured: bool):
     bubble = ((pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1) * t_mb
     if dual:  # (pp/2 - 1)(F&B + B - 3W): the pair's compute F + B, W its weight gradients
         bubble = (pp / 2 - 1) * (pick("fwd") + 2 * pick("bwd") - 3 * pick("wgrad"))
+    if key.schedule is PipelineSchedule.ZB1P:  # weight-gradient steps fill the bubble
+        bubble = (pp - 1) * (t_mb - 2 * pick("wgrad"))
     # data-parallel gradient buckets of each stage queue on one communicator behind the last
     # micro-batch's backward (_bucket_queue), the parameter gathers of ZeRO-1/2 under the next
     # step's first forward, a layer ahead (Megatron-LM's forward pre-hook); the tensor-parallel

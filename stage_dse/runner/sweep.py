@@ -113,20 +113,21 @@ def family_keys(spec: SweepSpec) -> list:
     hybrid = sorted({g > 0 for g in sp.shard_group})
     keys = set()
     for model in spec.models:
-        for fw, zero, rc, seq_par, att, v, dual, order, replicas in product(
+        for fw, zero, rc, seq_par, att, v, base, order, replicas in product(
             sp.frameworks,
             sp.zero_stage,
             sp.recompute,
             sp.sequence_parallel,
             sp.attention,
             sorted({min(v, 2) for v in sp.virtual_stages}),
-            sorted(set(sp.dualpipe)),
+            list(dict.fromkeys(sp.schedule)),
             sp.rank_order,
             [2 if h else 1 for h in hybrid],
         ):
-            if (seq_par and not tp_many) or ((v > 1 or dual) and not pp_many):
+            piped = v > 1 or base != "1f1b"
+            if (seq_par and not tp_many) or (piped and not pp_many):
                 continue
-            if dual and v > 1:
+            if base != "1f1b" and v > 1:
                 continue
             if replicas > 1 and zero == 0:
                 continue
@@ -134,12 +135,12 @@ def family_keys(spec: SweepSpec) -> list:
                 dp=replicas,
                 dp_replicate=replicas,
                 tp=2 if seq_par else 1,
-                pp=2 if v > 1 or dual else 1,
+                pp=2 if piped else 1,
                 zero_stage=zero,
                 recompute=rc,
                 sequence_parallel=seq_par,
                 attention=att,
-                schedule="interleaved" if v > 1 else "dualpipe" if dual else "1f1b",
+                schedule="interleaved" if v > 1 else base,
                 virtual_stages=v,
                 rank_order=order,
                 **fw.plan_flags(),
@@ -443,7 +444,7 @@ def top_table(df: pd.DataFrame, k: int = 10, by: str = "step_s") -> pd.DataFrame
         at = table.columns.get_loc("zero") + 1
         table.insert(at, "replicas", replicas.fillna(1).astype(int))
     schedules = best.get("schedule")
-    if schedules is not None and (schedules.astype(str) == "dualpipe").any():  # say which
+    if schedules is not None and schedules.astype(str).isin(("zb1p", "dualpipe")).any():
         table.insert(table.columns.get_loc("chunks") + 1, "schedule", schedules.astype(str))
     frameworks = best.get("framework")
     if frameworks is not None and frameworks.nunique() > 1:  # a sweep over frameworks

@@ -51,7 +51,7 @@ PLAN_AXES = (
     "expert_tensor_parallel",
     "ep_over_tp",
     "virtual_stages",
-    "dualpipe",
+    "schedule",
     "stage_layers",
     "attention",
     "rank_order",

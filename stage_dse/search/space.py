@@ -191,8 +191,8 @@ class PlanGrid:
             "recompute": labels("recompute"),
             "attention": labels("attention"),
             "schedule": Labels(
-                np.where(values("dualpipe", bool), 2, v_sel > 1).astype(np.int8),
-                ["1f1b", "interleaved", "dualpipe"],
+                np.where(v_sel > 1, 0, at["schedule"] + 1).astype(np.int8),
+                ["interleaved", *axes["schedule"]],
             ),
             "rank_order": labels("rank_order"),
         }
@@ -249,7 +249,7 @@ def plan_grid(
         "sequence_parallel": list(dict.fromkeys(space.sequence_parallel)),
         "attention": list(dict.fromkeys(space.attention)),
         "rank_order": list(dict.fromkeys(space.rank_order)),
-        "dualpipe": list(dict.fromkeys(space.dualpipe)),
+        "schedule": list(dict.fromkeys(space.schedule)),
         "virtual_stages": sorted(set(space.virtual_stages)),
         "triple": triples,
         "stage_layers": list(space.stage_layers),
@@ -306,7 +306,8 @@ def plan_grid(
         if (why := _absent_module(model, r)) is not None
     ]
     v = grid("virtual_stages").astype(np.int64)
-    dual = grid("dualpipe").astype(bool)
+    dual = grid("schedule", [s == "dualpipe" for s in axes["schedule"]]).astype(bool)
+    one_chunk = grid("schedule", [s != "1f1b" for s in axes["schedule"]]).astype(bool)
     sp_ = grid("sequence_parallel").astype(bool)
     ep = grid("ep").astype(np.int64)
     etp = grid("expert_tensor_parallel").astype(bool)
@@ -348,7 +349,7 @@ def plan_grid(
         ),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
         ("dualpipe needs an even pp", dual & (pp % 2 != 0)),
-        ("dualpipe runs one chunk per stage (virtual_stages=1)", dual & (v > 1)),
+        ("zb1p and dualpipe run one chunk per stage (virtual_stages=1)", one_chunk & (v > 1)),
         ("dualpipe needs an even number of micro-batches", dual & (m % 2 != 0)),
         (f"offload_layers must be below layers({L})", offload >= L),
         ("offload_layers needs pp=1", (offload > 0) & (pp > 1)),

@@ -94,6 +94,12 @@ class PipelineSchedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     """Interleaved 1F1B with ``virtual_stages`` model chunks per GPU (Narayanan et al. SC21)."""
+    ZB1P = "zb1p"
+    """Zero-bubble pipeline parallelism, ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism",
+    ICLR 2024, arXiv:2401.10241): the backward splits into the input gradient (B) and the
+    weight gradient (W), and the W steps of the last micro-batches fill the 1F1B bubble, which
+    shrinks to ``(pp - 1)(F + B - 2W)`` (DeepSeek-V3 report Table 2) at 1F1B's activation
+    memory."""
     DUALPIPE = "dualpipe"
     """DeepSeek-V3's bidirectional schedule (DeepSeek-AI, "DeepSeek-V3 Technical Report",
     arXiv:2412.19437, sec. 3.2.1 and Table 2): micro-batches enter from both ends, so rank

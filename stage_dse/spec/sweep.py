@@ -79,9 +79,10 @@ class SearchSpace:
     attention: Sequence[str] = ("flash",)
     virtual_stages: Sequence[int] = (1,)
     """1 means the 1F1B schedule; v > 1 the interleaved schedule with v chunks."""
-    dualpipe: Sequence[bool] = (False,)
-    """True: DeepSeek-V3's DualPipe schedule in place of 1F1B (``PipelineSchedule.DUALPIPE``;
-    plans with an even ``pp``, one chunk per stage and an even number of micro-batches)."""
+    schedule: Sequence[str] = ("1f1b",)
+    """Pipeline schedules (:class:`~stage_dse.spec.plan.PipelineSchedule`): ``1f1b`` (the
+    interleaved one where ``virtual_stages > 1``), ``zb1p`` and ``dualpipe``, the last two
+    with one chunk per stage (DualPipe: an even ``pp`` and number of micro-batches)."""
     stage_layers: Sequence[str] = ("balanced",)
     """Layer splits over pipeline stages (:mod:`stage_dse.spec.stages`): ``balanced``,
     ``ceil`` or explicit lists of layers per virtual stage."""
@@ -121,6 +122,12 @@ class SearchSpace:
         for k in self.offload_layers:
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
                 raise ConfigError(f"plan.offload_layers values must be integers >= 0, got {k!r}")
+        bases = ("1f1b", "zb1p", "dualpipe")
+        if not self.schedule or any(s not in bases for s in self.schedule):
+            raise ConfigError(
+                f"plan.schedule={list(self.schedule)!r}: list one or more of {', '.join(bases)} "
+                "(interleaved: 1f1b with virtual_stages > 1)"
+            )
         if not self.cuda_graphs:
             raise ConfigError("plan.cuda_graphs must list at least one choice (none: eager)")
         graphs = (cuda_graphs_label(parse_cuda_graphs(g)) for g in self.cuda_graphs)

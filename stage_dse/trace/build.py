@@ -87,10 +87,11 @@ class TraceConfig:
                 "prediction modules yet; trace the model with mtp_layers=0 (its step time is "
                 "in the row)"
             )
-        if self.plan.schedule.value == "dualpipe":
+        if self.plan.schedule.value in ("zb1p", "dualpipe"):
             raise ConfigError(
-                "plan.schedule=dualpipe: traces carry the 1F1B and interleaved schedules only; "
-                "trace the plan with schedule=1f1b (the DualPipe step time is in the row)"
+                f"plan.schedule={self.plan.schedule.value}: traces carry the 1F1B and "
+                "interleaved schedules only; trace the plan with schedule=1f1b (its step time "
+                "under this schedule is in the row)"
             )
 
 

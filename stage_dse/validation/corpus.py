@@ -435,10 +435,12 @@ def _check_training(rec: dict, target: dict, tkind: str, label: str) -> None:
                     + ", ".join(str(v) for v in FLOPS_CONVENTION[key])
                 )
     sched = rec.get("schedule")
-    if sched not in (None, "1f1b", "interleaved", "dualpipe"):
-        raise CorpusError(f"{label}: schedule={sched!r} is not one of: 1f1b, interleaved, dualpipe")
+    if sched not in (None, "1f1b", "interleaved", "zb1p", "dualpipe"):
+        raise CorpusError(
+            f"{label}: schedule={sched!r} is not one of: 1f1b, interleaved, zb1p, dualpipe"
+        )
     v = rec.get("virtual_stages")
-    if (sched in ("1f1b", "dualpipe") and v not in (None, 1)) or (
+    if (sched in ("1f1b", "zb1p", "dualpipe") and v not in (None, 1)) or (
         sched == "interleaved" and v == 1
     ):
         raise CorpusError(f"{label}: schedule={sched} contradicts virtual_stages={v}")

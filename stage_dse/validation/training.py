@@ -159,7 +159,7 @@ def training_setup(case: Case) -> TrainingSetup:
         if name in case.candidates:
             axes[name] = case.candidates[name]
         elif name in case.unstated and name not in f:
-            single = f.get("schedule") in ("1f1b", "dualpipe")
+            single = f.get("schedule") in ("1f1b", "zb1p", "dualpipe")
             if name == "virtual_stages" and (f.get("pp", 1) == 1 or single):
                 axes[name] = (1,)
             elif name == "virtual_stages" and f.get("schedule") == "interleaved":
@@ -279,8 +279,8 @@ def plan_label(plan: ParallelPlan) -> str:
         parts.append(f"ep{plan.ep}" + ("(over tp)" if plan.ep_over_tp else ""))
     if plan.virtual_stages > 1:
         parts.append(f"v{plan.virtual_stages}")
-    if plan.schedule.value == "dualpipe":
-        parts.append("dualpipe")
+    if plan.schedule.value in ("zb1p", "dualpipe"):
+        parts.append(plan.schedule.value)
     parts.append(f"mb{plan.micro_batch_size}")
     parts.append(f"zero{plan.zero_stage}")
     if plan.hybrid_shard:

@@ -1,5 +1,6 @@
 """DeepSeek-V3's DualPipe schedule (report sec. 3.2.1, Table 2): rank i holds stages i and
-pp - 1 - i, the bubble is (pp/2 - 1)(F&B + B - 3W), pp + 1 micro-batches in flight."""
+pp - 1 - i, the bubble is (pp/2 - 1)(F&B + B - 3W), pp + 1 micro-batches in flight; and
+zero-bubble ZB-H1 (Qi et al. 2024): (pp - 1)(F + B - 2W) at 1F1B's memory."""
 
 from __future__ import annotations
 
@@ -93,11 +94,11 @@ def test_a_table_of_dualpipe_plans_matches_the_per_plan_answers():
             assert table[col].iloc[i] == pytest.approx(one[col], rel=1e-9), (plan.schedule, col)
 
 
-def test_a_sweep_ranges_over_dualpipe_and_names_the_plans_it_rejects():
+def test_a_sweep_ranges_over_schedules_and_names_the_plans_it_rejects():
     from stage_dse.search.space import enumerate_plans
     from stage_dse.spec.sweep import SearchSpace
 
-    space = SearchSpace(tp=(1,), pp=(1, 2, 4), cp=(1,), ep=(1,), dualpipe=(False, True),
+    space = SearchSpace(tp=(1,), pp=(1, 2, 4), cp=(1,), ep=(1,), schedule=("1f1b", "dualpipe"),
                         micro_batch_size=(1,), zero_stage=(1,), recompute=("none",),
                         sequence_parallel=(False,))  # fmt: skip
     cluster = load_cluster("dgx_h100", num_gpus=16)
@@ -105,3 +106,34 @@ def test_a_sweep_ranges_over_dualpipe_and_names_the_plans_it_rejects():
     assert found.rejected["dualpipe needs an even pp"] == 1  # pp 1
     schedules = found.table.groupby("pp")["schedule"].apply(lambda s: sorted(set(map(str, s))))
     assert schedules.to_dict() == {1: ["1f1b"], 2: ["1f1b", "dualpipe"], 4: ["1f1b", "dualpipe"]}
+
+
+def test_zero_bubble_fills_the_1f1b_bubble_with_weight_gradients_at_the_same_memory():
+    base = ParallelPlan(dp=2, pp=4, micro_batch_size=1)
+    one, zb = evaluate(base), evaluate(dataclasses.replace(base, schedule="zb1p"))
+    # the bubble loses twice the weight-gradient GEMMs per stage: at most 2/3 of the
+    # backward's share, so it stays above a third of 1F1B's; nothing else moves
+    assert one["bubble_s"] / 3 < zb["bubble_s"] < one["bubble_s"]
+    assert one["step_s"] - zb["step_s"] == pytest.approx(one["bubble_s"] - zb["bubble_s"])
+    for col in ("mem_total_bytes", "compute_s", "dp_comm_s", "optimizer_s"):
+        assert zb[col] == pytest.approx(one[col], rel=1e-12), col
+
+
+def test_a_sweep_rejects_zero_bubble_with_chunked_stages():
+    from stage_dse.search.space import enumerate_plans
+    from stage_dse.spec.sweep import SearchSpace
+
+    space = SearchSpace(tp=(1,), pp=(2,), cp=(1,), ep=(1,), schedule=("1f1b", "zb1p"),
+                        virtual_stages=(1, 2), micro_batch_size=(1,), zero_stage=(1,),
+                        recompute=("none",), sequence_parallel=(False,))  # fmt: skip
+    cluster = load_cluster("dgx_h100", num_gpus=16)
+    found = enumerate_plans(MODEL, TRAINING, H100, cluster, space)
+    assert found.rejected["zb1p and dualpipe run one chunk per stage (virtual_stages=1)"] == 1
+    assert sorted(map(str, found.table["schedule"])) == ["1f1b", "interleaved", "zb1p"]
+
+
+def test_an_unknown_schedule_in_a_sweep_is_named():
+    from stage_dse.spec.sweep import SearchSpace
+
+    with pytest.raises(ConfigError, match=r"plan.schedule=\['gpipe'\]: list one or more of"):
+        SearchSpace(schedule=("gpipe",))
