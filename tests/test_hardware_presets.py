@@ -3,6 +3,8 @@ servers: each loads, and evaluates a small training and serving table."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -27,7 +29,7 @@ PAIRS = {  # hardware preset -> its cluster preset
 }
 FP4 = {"gb200": 10000, "gb300": 15000, "rtx_pro_6000": 2015.2, "gh200": 0, "l40s": 0}
 """Dense FP4 peaks, TFLOP/s (0: no FP4 tensor cores)."""
-NEW_CLUSTERS = ("gb300_nvl72", "gh200_nvl32", "l40s_server", "rtx_pro_6000_server")
+NEW_CLUSTERS = ("gb300_nvl72", "gh200_nvl32", "l40s_server", "rtx_pro_6000_server", "dgx_h800")
 
 
 def one_domain(name: str):
@@ -52,6 +54,15 @@ def test_cluster_preset_loads_on_its_own(name):
     cluster = load_cluster(name)
     assert cluster.num_gpus % cluster.gpus_per_node == 0
     assert cluster.inter_bandwidth_bytes_per_s > 0
+
+
+def test_the_h800_cluster_is_the_h100s_with_a_narrower_nvlink():
+    h100, h800 = load_cluster("dgx_h100"), load_cluster("dgx_h800")
+    # 400 GB/s per GPU both directions against 900 (DeepSeek-V3 report sec. 3.2.2 measures 160)
+    assert h800.intra_bandwidth_bytes_per_s == 200e9
+    assert h800.inter_bandwidth_bytes_per_s == h100.inter_bandwidth_bytes_per_s == 50e9
+    same = dataclasses.replace(h800, intra_bandwidth_bytes_per_s=h100.intra_bandwidth_bytes_per_s)
+    assert dataclasses.replace(same, num_gpus=h100.num_gpus, name=h100.name) == h100
 
 
 def test_pcie_servers_have_no_nvlink_one_shot_and_pcie_rates():
