@@ -56,25 +56,8 @@ class LatentAttention:
             [Bt, Tk, A, Dv],
         )
         k = g.permute("k_concat", kn, [Bt, Tk, A, Dq], [*kn.layout[:3], ()], weights=kr)
-        with g.region(Region.ATTENTION_CORE):
-            if self.k.attention.fused:
-                ctx = g.attention(
-                    "core_attention",
-                    q,
-                    k,
-                    v,
-                    Sq,
-                    Tk,
-                    [Bt, Sq, A, Dv],
-                    [Bt, A, Sq],
-                    causal=True,
-                    window=S.topk_tokens if sparse else None,
-                )
-            else:
-                scores = g.einsum("scores", q, k, [Bt, A, Sq, Tk])
-                probs = g.pointwise(SOFTMAX, "softmax", scores)
-                probs = self.dropout("attention_dropout", probs)
-                ctx = g.einsum("context", probs, v, [Bt, Sq, A, Dv])
+        window = S.topk_tokens if sparse else None
+        ctx = self.attention_core(q, k, v, Tk, [A], Dv, causal=True, window=window)
         wo = self.w("o_proj.weight", [A, Dv, H], [(TP,), (), ()])
         return g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
 

@@ -204,6 +204,23 @@ class _Builder(LatentAttention):
     def dropout(self, name: str, x: Tensor) -> Tensor:
         return self.g.pointwise(DROPOUT, name, x) if self.k.dropout else x
 
+    def attention_core(
+        self, q, k, v, Tk: Axis, heads: list, dv: Axis, *, causal, window=None, chunk=None
+    ) -> Tensor:
+        """Scores, softmax and context over the key axis ``Tk``: one fused kernel, or as eager
+        code runs it, the scores and probabilities materialized (``heads``: the query's head
+        axes, ``dv``: the value width)."""
+        g, Bt, Sq = self.g, DIMS.batch, DIMS.seq
+        with g.region(Region.ATTENTION_CORE):
+            if self.k.attention.fused:
+                ctx_axes, stats = [Bt, Sq, *heads, dv], [Bt, *heads, Sq]
+                return g.attention("core_attention", q, k, v, Sq, Tk, ctx_axes, stats,
+                                   causal=causal, window=window, chunk=chunk)  # fmt: skip
+            scores = g.einsum("scores", q, k, [Bt, *heads, Sq, Tk])
+            probs = g.pointwise(SOFTMAX, "softmax", scores)
+            probs = self.dropout("attention_dropout", probs)
+            return g.einsum("context", probs, v, [Bt, Sq, *heads, dv])
+
     def activation(self, name: str, axes, layout) -> Tensor:
         return self.g.tensor(name, Role.ACTIVATION, axes, layout, self.ab)
 
@@ -259,26 +276,9 @@ class _Builder(LatentAttention):
                         Tk, chunk = DIMS.chunk_context, None
                         k = g.select("k_chunk", k, [Bt, Tk, G, D], Role.ACTIVATION)
                         v = g.select("v_chunk", v, [Bt, Tk, G, D], Role.ACTIVATION)
-                with g.region(Region.ATTENTION_CORE):
-                    if self.k.attention.fused:
-                        ctx = g.attention(
-                            "core_attention",
-                            q,
-                            k,
-                            v,
-                            Sq,
-                            Tk,
-                            [Bt, Sq, G, R, D],
-                            [Bt, G, R, Sq],
-                            causal=self.serving != "decode",
-                            window=band,
-                            chunk=chunk,
-                        )
-                    else:
-                        scores = g.einsum("scores", q, k, [Bt, G, R, Sq, Tk], save=True)
-                        probs = g.pointwise(SOFTMAX, "softmax", scores)
-                        probs = self.dropout("attention_dropout", probs)
-                        ctx = g.einsum("context", probs, v, [Bt, Sq, G, R, D])
+                causal = self.serving != "decode"
+                ctx = self.attention_core(q, k, v, Tk, [G, R], D, causal=causal, window=band,
+                                          chunk=chunk)  # fmt: skip
                 wo = self.w("o_proj.weight", [G, R, D, H], [(TP,), (), (), ()])
                 out = g.einsum("o_proj", ctx, wo, [Bt, Sq, H])
             if self.k.parallel_block:
