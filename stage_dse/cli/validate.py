@@ -24,7 +24,7 @@ from stage_dse.cost.table import TIMINGS
 from stage_dse.errors import ConfigError
 from stage_dse.validation.corpus import load_corpus
 from stage_dse.validation.fit import Problem, apply_folds, leave_one_source_out, load_parameters
-from stage_dse.validation.report import group_summary, ranking_pairs
+from stage_dse.validation.report import group_summary, mean_or_nan, ranking_pairs
 from stage_dse.validation.run import corpus_hash, select
 
 __all__ = ["main", "recorded_path", "run"]
@@ -198,18 +198,14 @@ def _print_groups(timing: str, summary: pd.DataFrame, pairs: pd.DataFrame, res) 
         print(
             f"{kind} timing={timing} n={len(have)} cannot_express="
             f"{int((grp['status'] == 'unexpressible').sum())} "
-            f"mean_abs_err_pct={_mean(np.abs(err)):.2f} mean_signed_err_pct={_mean(err):+.2f} "
-            f"loso_mean_abs_err_pct={_mean(np.abs(loso)):.2f} "
+            f"mean_abs_err_pct={mean_or_nan(np.abs(err)):.2f} "
+            f"mean_signed_err_pct={mean_or_nan(err):+.2f} "
+            f"loso_mean_abs_err_pct={mean_or_nan(np.abs(loso)):.2f} "
             f"pairs_agree={int(mine['agrees'].sum()) if len(mine) else 0}/{len(mine)}"
         )
         if "fit_err_pct" in have:  # --fit: in-sample with the parameters fitted on every source
             fit = np.abs(have["fit_err_pct"].to_numpy(float))
             print(f"{kind} timing={timing} fitted_on_all_sources mean_abs_err_pct={fit.mean():.2f}")
-
-
-def _mean(values: np.ndarray) -> float:
-    """The mean, NaN for no values (a kind none of whose cases could be expressed)."""
-    return float(values.mean()) if len(values) else float("nan")
 
 
 def _print_notes(results: pd.DataFrame, timings) -> None:

@@ -383,6 +383,9 @@ def _derive_time(key: CostKey, measured: bool):
     single = _max(0, 2 - pp)
     has_mid = _min(1, _max(0, pp - 2))
     mtp = S.mtp_layers if key.graph.mtp else sp.Integer(0)  # multi-token prediction modules
+    # layers each timed stage runs (the modules count as layers of the stage holding them)
+    stage_layers = {"first": S.first_layers + single * mtp, "last": S.last_layers + mtp}
+    stage_layers["mid"] = S.mid_layers
 
     def layer_parts(layers: sp.Expr, where: str) -> list[tuple[SectionTime, sp.Expr]]:
         """Dense-MLP and MoE layers of a stage (stage_dse.graph.layers.dense_layers_among),
@@ -425,10 +428,7 @@ def _derive_time(key: CostKey, measured: bool):
         # of equal layers is sum_i max(0, c_i - f_i) + min(c, f).
         ends = {"first": (sp.Integer(1), single), "last": (sp.Integer(0), sp.Integer(1))}
         e, h = ends.get(label, (sp.Integer(0), sp.Integer(0)))
-        n = {
-            "first": S.first_layers + single * mtp,
-            "last": S.last_layers + mtp,
-        }.get(label, S.mid_layers)
+        n = stage_layers[label]
 
         def gather_chain(field: str) -> sp.Expr:
             """Gathers issued a section ahead in forward order (embedding, layers, output
@@ -485,9 +485,9 @@ def _derive_time(key: CostKey, measured: bool):
     first_parts += [(sec, single * k) for sec, k in mtp_parts]
     last_parts = [*layer_parts(S.last_layers, "last"), (head, 1), *mtp_parts]
     stages = {
-        "first": (stage("first", first_parts), S.first_layers + single * mtp, sp.Integer(1)),
-        "last": (stage("last", last_parts), S.last_layers + mtp, 1 - single),
-        "mid": (stage("mid", layer_parts(S.mid_layers, "mid")), S.mid_layers, has_mid),
+        "first": (stage("first", first_parts), stage_layers["first"], sp.Integer(1)),
+        "last": (stage("last", last_parts), stage_layers["last"], 1 - single),
+        "mid": (stage("mid", layer_parts(S.mid_layers, "mid")), stage_layers["mid"], has_mid),
     }
     # each micro-batch crosses a stage boundary forward and backward once per model chunk
     chunks = v if key.schedule is PipelineSchedule.INTERLEAVED else 1
@@ -530,11 +530,14 @@ def _derive_time(key: CostKey, measured: bool):
         return w_first * st["first"][name] + w_last * st["last"][name] + w_mid * st["mid"][name]
 
     t_mb = _max(*t.values())
-    bubble = ((pp - 1) / v if key.schedule is PipelineSchedule.INTERLEAVED else pp - 1) * t_mb
     if dual:  # (pp/2 - 1)(F&B + B - 3W): the pair's compute F + B, W its weight gradients
         bubble = (pp / 2 - 1) * (pick("fwd") + 2 * pick("bwd") - 3 * pick("wgrad"))
-    if key.schedule is PipelineSchedule.ZB1P:  # weight-gradient steps fill the bubble
+    elif key.schedule is PipelineSchedule.ZB1P:  # weight-gradient steps fill the bubble
         bubble = (pp - 1) * (t_mb - 2 * pick("wgrad"))
+    elif key.schedule is PipelineSchedule.INTERLEAVED:
+        bubble = (pp - 1) / v * t_mb
+    else:
+        bubble = (pp - 1) * t_mb
     # data-parallel gradient buckets of each stage queue on one communicator behind the last
     # micro-batch's backward (_bucket_queue), the parameter gathers of ZeRO-1/2 under the next
     # step's first forward, a layer ahead (Megatron-LM's forward pre-hook); the tensor-parallel

@@ -110,6 +110,12 @@ class PipelineSchedule(StrEnum):
     of activations in flight. Needs an even ``pp`` and an even number of micro-batches."""
 
 
+ONE_CHUNK_SCHEDULES: tuple[str, ...] = tuple(
+    s.value for s in PipelineSchedule if s is not PipelineSchedule.INTERLEAVED
+)
+"""Schedules with one model chunk per stage (``virtual_stages`` 1): the names a sweep's
+``plan.schedule`` lists (interleaved is 1F1B with ``virtual_stages > 1``)."""
+
 DEFAULT_RANK_ORDER: tuple[MeshAxis, ...] = (
     MeshAxis.TP,
     MeshAxis.CP,

@@ -17,6 +17,7 @@ from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import ClusterSpec, HardwareSpec
 from stage_dse.spec.model import ModelSpec
 from stage_dse.spec.plan import (
+    ONE_CHUNK_SCHEDULES,
     USER_AXES,
     AttentionKernel,
     cuda_graphs_label,
@@ -122,11 +123,10 @@ class SearchSpace:
         for k in self.offload_layers:
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
                 raise ConfigError(f"plan.offload_layers values must be integers >= 0, got {k!r}")
-        bases = ("1f1b", "zb1p", "dualpipe")
-        if not self.schedule or any(s not in bases for s in self.schedule):
+        if not self.schedule or any(s not in ONE_CHUNK_SCHEDULES for s in self.schedule):
             raise ConfigError(
-                f"plan.schedule={list(self.schedule)!r}: list one or more of {', '.join(bases)} "
-                "(interleaved: 1f1b with virtual_stages > 1)"
+                f"plan.schedule={list(self.schedule)!r}: list one or more of "
+                f"{', '.join(ONE_CHUNK_SCHEDULES)} (interleaved: 1f1b with virtual_stages > 1)"
             )
         if not self.cuda_graphs:
             raise ConfigError("plan.cuda_graphs must list at least one choice (none: eager)")

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from stage_dse.errors import ConfigError
+from stage_dse.spec.plan import ONE_CHUNK_SCHEDULES
 
 __all__ = [
     "CAPACITY_SCHEDULERS",
@@ -435,14 +436,13 @@ def _check_training(rec: dict, target: dict, tkind: str, label: str) -> None:
                     + ", ".join(str(v) for v in FLOPS_CONVENTION[key])
                 )
     sched = rec.get("schedule")
-    if sched not in (None, "1f1b", "interleaved", "zb1p", "dualpipe"):
+    if sched not in (None, "interleaved", *ONE_CHUNK_SCHEDULES):
         raise CorpusError(
-            f"{label}: schedule={sched!r} is not one of: 1f1b, interleaved, zb1p, dualpipe"
+            f"{label}: schedule={sched!r} is not one of: "
+            f"{', '.join(('interleaved', *ONE_CHUNK_SCHEDULES))}"
         )
     v = rec.get("virtual_stages")
-    if (sched in ("1f1b", "zb1p", "dualpipe") and v not in (None, 1)) or (
-        sched == "interleaved" and v == 1
-    ):
+    if (sched in ONE_CHUNK_SCHEDULES and v not in (None, 1)) or (sched == "interleaved" and v == 1):
         raise CorpusError(f"{label}: schedule={sched} contradicts virtual_stages={v}")
     for key in ("tp", "pp"):
         if (

@@ -62,6 +62,11 @@ def ranking_pairs(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def mean_or_nan(values: np.ndarray) -> float:
+    """The mean, NaN for no values (a group or kind none of whose cases has a prediction)."""
+    return float(np.mean(values)) if len(values) else float("nan")
+
+
 def group_summary(results: pd.DataFrame, pairs: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per group: n, unexpressible, mean/max absolute and mean signed error (%), pairs agreeing;
     plus ``loso_mean_abs_pct`` when ``results`` has a ``loso_err_pct`` column."""
@@ -77,13 +82,13 @@ def group_summary(results: pd.DataFrame, pairs: pd.DataFrame | None = None) -> p
             "n": len(have),
             "unexpressible": int((grp["status"] == "unexpressible").sum()),
             "oom": int((grp["status"] == "oom").sum()),
-            "mean_abs_pct": float(np.mean(np.abs(err))) if len(err) else np.nan,
+            "mean_abs_pct": mean_or_nan(np.abs(err)),
             "max_abs_pct": float(np.max(np.abs(err))) if len(err) else np.nan,
-            "mean_signed_pct": float(np.mean(err)) if len(err) else np.nan,
+            "mean_signed_pct": mean_or_nan(err),
         }
         if "loso_err_pct" in have:
             loso = have["loso_err_pct"].to_numpy(dtype=float)
-            row["loso_mean_abs_pct"] = float(np.mean(np.abs(loso))) if len(loso) else np.nan
+            row["loso_mean_abs_pct"] = mean_or_nan(np.abs(loso))
         mine = pairs[pairs["group"] == group] if len(pairs) else pairs
         row["pairs"] = len(mine)
         row["pairs_agree"] = int(mine["agrees"].sum()) if len(mine) else 0

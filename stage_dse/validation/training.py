@@ -38,7 +38,12 @@ from stage_dse.errors import ConfigError
 from stage_dse.spec import DType, ModelSpec, ParallelPlan, TrainingSpec
 from stage_dse.spec.framework import FrameworkSpec
 from stage_dse.spec.hardware import even_domain_share
-from stage_dse.spec.plan import DEFAULT_RANK_ORDER, ep_fits_over_tp, parse_recompute
+from stage_dse.spec.plan import (
+    DEFAULT_RANK_ORDER,
+    ONE_CHUNK_SCHEDULES,
+    ep_fits_over_tp,
+    parse_recompute,
+)
 from stage_dse.validation.conventions import flops_per_step
 from stage_dse.validation.corpus import Case, CorpusError
 from stage_dse.validation.resolve import (
@@ -159,7 +164,7 @@ def training_setup(case: Case) -> TrainingSetup:
         if name in case.candidates:
             axes[name] = case.candidates[name]
         elif name in case.unstated and name not in f:
-            single = f.get("schedule") in ("1f1b", "zb1p", "dualpipe")
+            single = f.get("schedule") in ONE_CHUNK_SCHEDULES
             if name == "virtual_stages" and (f.get("pp", 1) == 1 or single):
                 axes[name] = (1,)
             elif name == "virtual_stages" and f.get("schedule") == "interleaved":
