@@ -214,9 +214,12 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     if etp not in (None, 1, tp):
         raise Unexpressible(f"expert tensor parallel etp({etp}) other than 1 or tp({tp})")
     ep = f.get("ep", 1)
-    # ep beyond what the data-parallel ranks hold: expert groups over tp x data ranks, as
-    # Megatron-Core lays them out when expert_tensor_parallel_size is 1 (MoE parallel folding)
-    fold = bool(model.is_moe and etp != tp and dp % ep and ep_fits_over_tp(ep, tp, dp))
+    # experts not split by tensor parallelism: the expert groups span tp x data ranks, as
+    # Megatron-Core lays them out whenever expert_tensor_parallel_size is 1, even where dp
+    # alone could hold ep (megatron/core/parallel_state.py initialize_model_parallel: the
+    # expert ranks come from the flattened tp x cp x dp ranks of a stage, expert data
+    # parallel = world / (etp x ep x pp); "MoE parallel folding", Liu et al. 2025)
+    fold = bool(model.is_moe and etp != tp and ep_fits_over_tp(ep, tp, dp))
     v = f.get("virtual_stages", 1)
     flags = framework.plan_flags()
     if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
