@@ -464,6 +464,20 @@ def test_a_serving_source_none_of_whose_cases_can_be_expressed_is_reported(capsy
     assert "serving timing=roofline n=0 cannot_express=2" in text
 
 
+def test_a_training_source_none_of_whose_cases_can_be_expressed_is_reported(tmp_path, capsys):
+    """A training source whose only run names a GPU without a preset: both timings report the
+    case as not expressible and print n=0, where the measured timing's note on kernel tables
+    failed on the missing hardware column."""
+    from stage_dse.cli.validate import main
+
+    _write(tmp_path, GOOD.replace("hardware: h100_sxm", "hardware: mi355x"), "mine.yaml")
+    argv = ["--kind", "training", "--source", "test_src", "--corpus", str(tmp_path / "mine.yaml")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "no hardware preset 'mi355x'" in text
+    assert "training timing=roofline n=0 cannot_express=1" in text
+
+
 def test_megatron_expert_groups_fold_over_tensor_parallel_ranks():
     """DGX Cloud's Grok-1 on 512 H100s (tp 4, pp 8, cp 2, ep 8, etp 1): Megatron-Core forms
     the expert groups from a stage's flattened tp x cp x dp ranks whenever experts are not

@@ -214,8 +214,9 @@ def _print_notes(results: pd.DataFrame, timings) -> None:
         from stage_dse.config import load_hardware
         from stage_dse.kernels.tables import table_set
 
-        have = res[res["hardware"].notna()] if "hardware" in res else res.iloc[:0]
-        for hw in sorted(set(have["hardware"])):
+        # a source none of whose cases can be expressed has no hardware column
+        gpus = res["hardware"].dropna() if "hardware" in res else ()
+        for hw in sorted(set(gpus)):
             if table_set(load_hardware(str(hw))) is None:
                 print(f"note: timing=measured: no measured kernel tables for {hw}; its cases "
                       "use the roofline")  # fmt: skip
