@@ -128,7 +128,15 @@ def test_zero_model_states(stage, factor_replicated, factor_sharded):
     )
     psi = costs.params["total"]
     nd = S.dp
-    assert same(sp.piecewise_fold(states), factor_replicated * psi + factor_sharded * psi / nd)
+    # DeepSpeed's ZeRO-3 keeps a 16-bit shard beside the fp32 master (fsdp_master_shards 0)
+    deepspeed = states.subs({S.fsdp_master_shards: 0, S.master_bytes: 4})
+    assert same(sp.piecewise_fold(deepspeed), factor_replicated * psi + factor_sharded * psi / nd)
+    # PyTorch FSDP's mixed precision stores the fp32 shard only, the master itself: the
+    # 16-bit copy's 2 Psi/Nd are not held (ZeRO-3: 4 + 2 + 8 = 14 Psi/Nd); other stages keep it
+    fsdp = states.subs({S.fsdp_master_shards: 1, S.master_bytes: 4})
+    saved = 2 * psi / nd if stage == 3 else 0
+    expected = factor_replicated * psi + factor_sharded * psi / nd - saved
+    assert same(sp.piecewise_fold(fsdp), expected)
 
 
 @pytest.mark.parametrize(("stage", "published_gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])

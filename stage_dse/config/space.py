@@ -79,6 +79,7 @@ def to_search_space(plan: dict) -> SearchSpace:
         "grad_sync_per_step",
         "ep_dispatch_dedup",
         "expert_gemm_loop",
+        "fsdp_master_shards",
     )
     forced = {flag: data.pop(flag, None) for flag in PLAN_FLAGS if flag not in framework_only}
     for flag, value in forced.items():

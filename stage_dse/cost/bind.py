@@ -47,6 +47,7 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         **moe_values(model),
         "global_batch": training.global_batch_size,
         "gemm_bytes": training.gemm_dtype.bytes,
+        "master_bytes": training.master_dtype.bytes,
         "expert_gemm_bytes": training.gemm_dtype.bytes,
         **fp8_recipe_values(training.fp8_recipe, training.block_scaled),
         "context": training.seq_len,
@@ -87,6 +88,7 @@ def plan_values(num_layers: int, plan: ParallelPlan) -> dict[str, float]:
         "offload_layers": plan.offload_layers,
         **cuda_graph_values(plan.cuda_graphs),
         "expert_gemm_loop": int(plan.expert_gemm_loop),
+        "fsdp_master_shards": int(plan.fsdp_master_shards),
         "recompute_share": recompute_share(
             num_layers, plan.pp, plan.virtual_stages, plan.recompute_layers
         ),

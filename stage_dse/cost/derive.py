@@ -369,11 +369,15 @@ def _derive(key: CostKey) -> TrainingCosts:
         def sharded(n_dense, n_expert, on: bool) -> sp.Expr:
             return n_dense / data + n_expert / expert_data if on else n_dense + n_expert
 
+        # ZeRO-3 under PyTorch FSDP's mixed precision: the stored shard is the fp32 master
+        # itself (counted with the weights, the optimizer keeping its states only)
+        master = S.fsdp_master_shards * S.master_bytes if zero == 3 else 0
+        stored = pb + master - pb * S.fsdp_master_shards if zero == 3 else pb
         return {
-            "weights": numel * pb,
+            "weights": numel * stored,
             # accumulated unsharded when ZeRO-2 reduces once per step (FSDP no_sync)
             "grads": sharded(dense, expert, zero >= 2 and not key.graph.grad_sync_per_step) * gb,
-            "optimizer": sharded(dense, expert, zero >= 1) * ob,
+            "optimizer": sharded(dense, expert, zero >= 1) * (ob - master),
         }
 
     dual = key.schedule is PipelineSchedule.DUALPIPE

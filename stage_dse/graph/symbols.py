@@ -117,6 +117,8 @@ class Symbols:
     """The same for the routed experts' grouped GEMMs: ``gemm_bytes``, but 1 where an engine runs
     MXFP4 experts with MXFP8 activations on FP4 hardware beside 16-bit layers (W4A8,
     ``EngineSpec.mxfp4_moe_activations``)."""
+    master_bytes = _real("master_bytes")
+    """Bytes per value of the optimizer's master weights (``training.master_dtype``)."""
     # the FP8 scaling recipe (stage_dse.spec.training.Fp8Recipe), 0/1 each, 0 for tensorwise
     fp8_rowwise = _count("fp8_rowwise")
     """Row-wise scales (``rowwise``, ``rowwise_gw_hp``)."""
@@ -159,6 +161,8 @@ class Symbols:
     graph_full = _count("graph_full")
     expert_gemm_loop = _count("expert_gemm_loop")
     """1 where a grouped expert GEMM is issued one GEMM per local expert."""
+    fsdp_master_shards = _count("fsdp_master_shards")
+    """1 where ZeRO-3 stores each parameter shard only as the optimizer's master."""
     recompute_share = _real("recompute_share")
     """Share of the layers full recompute covers (``plan.recompute_layers`` of each model
     chunk; 1 for every layer, and where full recompute is not chosen)."""

@@ -61,6 +61,7 @@ BOOL_CONFIG = {
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
     "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
+    "fsdp_master_shards",
     "chunked_attention", "mtp", "parallel_block",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")

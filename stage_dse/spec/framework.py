@@ -33,6 +33,7 @@ PLAN_FLAGS = (
     "grad_sync_per_step",
     "ep_dispatch_dedup",
     "expert_gemm_loop",
+    "fsdp_master_shards",
     "fused_elementwise",
     "moe_weighted_activation",
 )
@@ -68,6 +69,14 @@ class FrameworkSpec:
     ``GroupedLinear`` (Megatron-Core's ``--moe-grouped-gemm`` with TE) loops over the experts
     calling cuBLAS on several streams (``general_grouped_gemm``); off, one grouped kernel
     (torchtitan's ``torch._grouped_mm``, the CUTLASS grouped GEMM)."""
+    fsdp_master_shards: bool = False
+    """Under ZeRO-3 each parameter shard is stored once, in the optimizer's master precision,
+    and cast to the 16-bit compute precision as it is gathered: PyTorch FSDP's mixed precision
+    keeps the sharded parameters in their original fp32 ("The sharded parameters are kept in
+    their original dtype", ``MixedPrecisionPolicy.param_dtype`` of FSDP2; FSDP1's
+    ``MixedPrecision`` likewise casts a low-precision shard only for the all-gather), so they
+    are the master weights; off, a 16-bit shard is kept beside the optimizer's fp32 master
+    (DeepSpeed ZeRO-3, Megatron-FSDP)."""
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
     kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""

@@ -234,6 +234,10 @@ class ParallelPlan:
     expert_gemm_loop: bool = False
     """A grouped expert GEMM is issued as one GEMM per local expert (Transformer Engine's
     ``GroupedLinear``: a loop of cuBLAS GEMMs over streams); off, as one grouped kernel."""
+    fsdp_master_shards: bool = False
+    """Under ZeRO-3 a parameter shard is stored only in the master precision (PyTorch FSDP's
+    mixed precision: the fp32 shard is the master, cast to 16 bits as it is gathered); off, a
+    16-bit shard is kept beside the optimizer's master. Other ZeRO stages ignore it."""
     moe_weighted_activation: bool = False
     """Mixture-of-experts layers apply the routing probabilities inside the experts'
     activation and combine their outputs unweighted, so the outputs are not kept for
@@ -274,6 +278,7 @@ class ParallelPlan:
             "grad_sync_per_step",
             "ep_dispatch_dedup",
             "expert_gemm_loop",
+            "fsdp_master_shards",
             "fused_elementwise",
             "moe_weighted_activation",
         ):

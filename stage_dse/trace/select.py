@@ -150,6 +150,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         offload_layers=int(_given(row, "offload_layers", 0)),
         cuda_graphs=str(_given(row, "cuda_graphs", "none")),
         expert_gemm_loop=bool(_given(row, "expert_gemm_loop", False)),
+        fsdp_master_shards=bool(_given(row, "fsdp_master_shards", False)),
     )
     hardware = HardwareSpec(
         name=str(row["hardware"]),
