@@ -181,6 +181,28 @@ def test_config_hash_is_a_function_of_row_values_only():
     assert not np.any(config_hash(changed).to_numpy() == from_columns)
 
 
+def test_fsdp_master_shards_change_only_zero3_identities_and_memory():
+    """The FSDP storage flag changes a row's hash and its memory only at ZeRO-3, where the
+    stored shard is the fp32 master; rows without it keep the hashes they always had."""
+    from stage_dse.cost.table import evaluate_table
+
+    m, hw = load_model("llama3_8b"), load_hardware("h100_sxm")
+    cluster = load_cluster("dgx_h100").replace(num_gpus=16)
+    table = enumerate_plans(m, TRAINING, hw, cluster, SearchSpace(zero_stage=(1, 3))).table
+    assert not table["fsdp_master_shards"].any()
+    fsdp = table.assign(fsdp_master_shards=True)
+    zero3 = (table["zero_stage"] == 3).to_numpy()
+    same_hash = config_hash(fsdp).to_numpy() == config_hash(table).to_numpy()
+    assert zero3.any() and (same_hash == ~zero3).all()
+    before, after = evaluate_table(table), evaluate_table(fsdp)
+    saved = (before["mem_total"] - after["mem_total"]).to_numpy()
+    # the 16-bit shard is no longer stored beside the master: at ZeRO-3 the saving is the
+    # 16-bit weights the row held, and the weights are now the fp32 shard (twice as large)
+    held = before["mem_weights"].to_numpy()
+    assert np.allclose(saved[zero3], held[zero3]) and np.all(saved[~zero3] == 0)
+    assert np.allclose(after["mem_weights"].to_numpy()[zero3], 2 * held[zero3])
+
+
 def test_expert_routing_and_dispatch_are_part_of_a_serving_row_s_identity():
     """A mixture-of-experts serving row's routing and dispatch change its hash unless they are
     the defaults (or empty, as for dense models), which hash as rows without the columns did."""

@@ -176,6 +176,8 @@ _HASHED_APART = (
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",
     "fp8_step_efficiency",
+    "fsdp_master_shards",
+    "master_bytes",
     *HOST_COLUMNS,
 )
 """Config columns hashed only where they differ from the default (older rows keep their hashes)."""
@@ -274,6 +276,17 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
                     v = _hash_input(source[c], False)
                     extra = _mix(extra ^ (v + np.uint64(i + 1) * _GOLDEN))
                 h = np.where(scaled, extra, h)
+        # ZeRO-3 shards stored only as the master (absent, off or another stage: as before)
+        if "fsdp_master_shards" in source and "zero_stage" in source:
+            shards = np.nan_to_num(np.asarray(source["fsdp_master_shards"], dtype=float)) > 0
+            shards = shards & (np.asarray(source["zero_stage"], dtype=float) == 3)
+            h = _marked(h, shards, "fsdp_master_shards")
+        # master weights other than fp32 (absent or 4 bytes: as before)
+        if "master_bytes" in source:
+            mb = np.nan_to_num(np.asarray(source["master_bytes"], dtype=float), nan=4.0)
+            if np.any(mb != 4.0):
+                extra = _mix(h ^ (_hash_input(mb, False) + _stable64("master_bytes")))
+                h = np.where(mb != 4.0, extra, h)
         # FP8 GEMMs in a training step below the tables' efficiency (absent or 1: as before)
         if "fp8_step_efficiency" in source:
             step = np.nan_to_num(np.asarray(source["fp8_step_efficiency"], dtype=float), nan=1.0)
