@@ -369,10 +369,11 @@ def _derive(key: CostKey) -> TrainingCosts:
         def sharded(n_dense, n_expert, on: bool) -> sp.Expr:
             return n_dense / data + n_expert / expert_data if on else n_dense + n_expert
 
-        # ZeRO-3 under PyTorch FSDP's mixed precision: the stored shard is the fp32 master
-        # itself (counted with the weights, the optimizer keeping its states only)
-        master = S.fsdp_master_shards * S.master_bytes if zero == 3 else 0
-        stored = pb + master - pb * S.fsdp_master_shards if zero == 3 else pb
+        stored, master = pb, 0
+        if zero == 3:  # under PyTorch FSDP's mixed precision the stored shard is the fp32
+            # master itself: counted with the weights, the optimizer keeping its states only
+            kept = S.fsdp_master_shards
+            stored, master = pb + kept * (S.master_bytes - pb), kept * S.master_bytes
         return {
             "weights": numel * stored,
             # accumulated unsharded when ZeRO-2 reduces once per step (FSDP no_sync)

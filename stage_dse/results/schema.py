@@ -214,6 +214,18 @@ def _marked(h, rows: np.ndarray, label: str):
     return np.where(rows, _mix(h ^ _stable64(label)), h) if np.any(rows) else h
 
 
+def _mixed_unless(h, source, column: str, default: float):
+    """``h`` with ``column``'s value mixed into the hashes of the rows where it is not
+    ``default`` (a column absent or at its default: the hashes rows had before it existed)."""
+    if column not in source:
+        return h
+    v = np.nan_to_num(np.asarray(source[column], dtype=float), nan=default)
+    differs = v != default
+    if not np.any(differs):
+        return h
+    return np.where(differs, _mix(h ^ (_hash_input(v, False) + _stable64(column))), h)
+
+
 def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
     """The 64-bit config hash of each row (see :func:`config_hash`)."""
     source = table.columns if isinstance(table, PlanColumns) else table
@@ -282,17 +294,9 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
             shards = shards & (np.asarray(source["zero_stage"], dtype=float) == 3)
             h = _marked(h, shards, "fsdp_master_shards")
         # master weights other than fp32 (absent or 4 bytes: as before)
-        if "master_bytes" in source:
-            mb = np.nan_to_num(np.asarray(source["master_bytes"], dtype=float), nan=4.0)
-            if np.any(mb != 4.0):
-                extra = _mix(h ^ (_hash_input(mb, False) + _stable64("master_bytes")))
-                h = np.where(mb != 4.0, extra, h)
+        h = _mixed_unless(h, source, "master_bytes", 4.0)
         # FP8 GEMMs in a training step below the tables' efficiency (absent or 1: as before)
-        if "fp8_step_efficiency" in source:
-            step = np.nan_to_num(np.asarray(source["fp8_step_efficiency"], dtype=float), nan=1.0)
-            if np.any(step != 1.0):
-                extra = _mix(h ^ (_hash_input(step, False) + _stable64("fp8_step_efficiency")))
-                h = np.where(step != 1.0, extra, h)
+        h = _mixed_unless(h, source, "fp8_step_efficiency", 1.0)
         # continuous batching: the scheduler's budget and the load are part of the question
         if "serving_mode" in source:
             mode = np.asarray(source["serving_mode"], dtype=str)
