@@ -23,7 +23,13 @@ from stage_dse.cli._common import OneLineParser, one_line_errors
 from stage_dse.cost.table import TIMINGS
 from stage_dse.errors import ConfigError
 from stage_dse.validation.corpus import load_corpus
-from stage_dse.validation.fit import Problem, apply_folds, leave_one_source_out, load_parameters
+from stage_dse.validation.fit import (
+    Problem,
+    apply_folds,
+    checkpoint_dir,
+    leave_one_source_out,
+    load_parameters,
+)
 from stage_dse.validation.report import group_summary, mean_or_nan, ranking_pairs
 from stage_dse.validation.run import corpus_hash, select
 
@@ -113,7 +119,10 @@ def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
     for timing in timings:
         problem = prepared.retimed(timing)
         if args.fit:
-            fitted, res = leave_one_source_out(problem, params)
+            saved = checkpoint_dir(problem, params, corpus_hash(args.corpus))
+            if not args.quiet or saved.is_dir():
+                print(f"fit timing={timing}: finished fits kept in {saved} (a rerun resumes)")
+            fitted, res = leave_one_source_out(problem, params, checkpoint=saved)
             fits[timing] = fitted
         else:
             held = recorded.get("timings", {}).get(timing, {})

@@ -24,10 +24,13 @@ that lowers the in-sample error and raises this one has fitted noise.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -241,10 +244,15 @@ class FitResult:
 
 
 def fit(
-    problem: Problem, params: list[Parameter], exclude: str | None = None, sweeps: int = 2
+    problem: Problem,
+    params: list[Parameter],
+    exclude: str | None = None,
+    sweeps: int = 2,
+    memo: dict | None = None,
 ) -> dict[str, float]:
     """Parameter values minimizing :func:`loss` without source ``exclude`` (see the module
-    docstring)."""
+    docstring). ``memo``: the outcomes of earlier searches, shared by the folds (see
+    :func:`_coupled`); a search is reused only where it would repeat exactly."""
     theta: dict[str, float] = {}
     subs: dict[str, Problem] = {}
     for p in params:
@@ -256,17 +264,45 @@ def fit(
         sub = problem.touching(p)
         if any(c.source.id != exclude for c in sub.cases):
             subs[p.name] = sub
+    coupled = _coupled(problem, params) if memo is not None else {}
     for _ in range(sweeps):
         for p in params:
             sub = subs.get(p.name)
             if sub is None:
                 continue
+            key = None
+            if memo is not None:
+                names, sources = coupled[p.name]
+                held = exclude if exclude in sources else None
+                key = (p.name, held, tuple(theta[q] for q in names))
+                if key in memo:
+                    theta[p.name] = memo[key]
+                    continue
 
             def f(v: float, p=p, sub=sub) -> float:
                 return loss(sub.evaluate(params, {**theta, p.name: v}), exclude)
 
             theta[p.name] = _golden(f, p.lower, p.upper, theta[p.name])
+            if key is not None:
+                memo[key] = theta[p.name]
     return theta
+
+
+def _coupled(problem: Problem, params: list[Parameter]) -> dict[str, tuple[tuple, frozenset]]:
+    """Per parameter, what its search depends on: the parameters that change any case it
+    touches (itself included) and the sources of those cases. A search reads nothing else (the
+    loss of its cases under their values, without the held-out source if it is among them),
+    so a fold whose values of those parameters equal an earlier search's, and which holds out
+    no source among them or the same one, would repeat it step for step."""
+    touched = {p.name: frozenset(c.id for c in problem.touching(p).cases) for p in params}
+    out = {}
+    for p in params:
+        if not touched[p.name]:
+            continue
+        names = tuple(q.name for q in params if touched[q.name] & touched[p.name])
+        sources = frozenset(c.source.id for c in problem.touching(p).cases)
+        out[p.name] = (names, sources)
+    return out
 
 
 def _golden(f, lo: float, hi: float, current: float, tol: float = 5e-3) -> float:
@@ -298,12 +334,23 @@ def _golden(f, lo: float, hi: float, current: float, tol: float = 5e-3) -> float
 
 
 def leave_one_source_out(
-    problem: Problem, params: list[Parameter], workers: int | None = None
+    problem: Problem,
+    params: list[Parameter],
+    workers: int | None = None,
+    checkpoint: Path | None = None,
 ) -> tuple[FitResult, pd.DataFrame]:
     """The all-source fit and, per source, the fit without it; returns them and the cases'
-    results with ``fit_err_pct`` (all-source parameters) and ``loso_err_pct``."""
+    results with ``fit_err_pct`` (all-source parameters) and ``loso_err_pct``.
+
+    ``checkpoint``: a folder where each finished fit is written as it ends and read back by a
+    later call with the same folder (see :func:`checkpoint_dir`), so an interrupted refit
+    resumes where it stopped."""
     start = {p.name: v for p in params if (v := problem.start(p)) is not None}
-    theta = fit(problem, params)  # also compiles every family the folds need
+    memo: dict = {}
+    theta = _saved(checkpoint, ALL_SOURCES)
+    if theta is None:
+        theta = fit(problem, params, memo=memo)  # also compiles every family the folds need
+        _save(checkpoint, ALL_SOURCES, theta)
     result = FitResult(problem.timing, params, start, theta)
     base = problem.evaluate()
     fitted = problem.evaluate(params, theta)
@@ -311,8 +358,11 @@ def leave_one_source_out(
     # a source none of whose cases the model can express has no fold (nothing to predict)
     have = base[base["status"].isin(("ok", "oom"))]
     sources = sorted(have["source"].unique())
-    for source, fold in zip(sources, _folds(problem, params, sources, workers)):
-        result.folds[source] = fold
+    done = {s: f for s in sources if (f := _saved(checkpoint, s)) is not None}
+    todo = [s for s in sources if s not in done]
+    done.update(zip(todo, _folds(problem, params, todo, workers, memo, checkpoint)))
+    for source in sources:
+        fold = result.folds[source] = done[source]
         held = problem.subset([c for c in problem.cases if c.source.id == source])
         held = held.evaluate(params, fold)
         loso.loc[held["case"].to_numpy()] = held["err_pct"].to_numpy()
@@ -322,26 +372,76 @@ def leave_one_source_out(
     return result, out
 
 
+ALL_SOURCES = "all-sources"
+"""The checkpoint entry of the fit on every source (no source id is spelled so)."""
+
+
+def checkpoint_dir(problem: Problem, params: list[Parameter], corpus: str) -> Path:
+    """Where :func:`leave_one_source_out` keeps finished fits for this problem: under the
+    disk cache, named by everything a fit depends on (the timing, the cases and ``corpus``, a
+    digest of their records; the parameters; the package's code and presets), so a checkpoint
+    is never read by a run it does not describe."""
+    from stage_dse.config.presets import conf_dir
+    from stage_dse.diskcache import cache_dir
+
+    h = hashlib.sha256()
+    h.update(f"{problem.timing}|{corpus}|{params!r}".encode())
+    h.update("|".join(sorted(c.id for c in problem.cases)).encode())
+    here = Path(__file__).resolve().parent
+    for root, pattern in ((here.parent, "*.py"), (conf_dir(), "*.yaml"), (here, "parameters.yaml")):
+        for path in sorted(root.rglob(pattern)):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return cache_dir() / f"fit-{h.hexdigest()[:24]}"
+
+
+def _saved(checkpoint: Path | None, name: str) -> dict[str, float] | None:
+    if checkpoint is None:
+        return None
+    path = checkpoint / f"{name}.yaml"
+    try:
+        return {str(k): float(v) for k, v in yaml.safe_load(path.read_text()).items()}
+    except (OSError, AttributeError, TypeError, ValueError, yaml.YAMLError):
+        return None  # absent or unreadable: refitted
+
+
+def _save(checkpoint: Path | None, name: str, theta: dict[str, float]) -> None:
+    if checkpoint is None:
+        return
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoint / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(yaml.safe_dump({k: float(v) for k, v in theta.items()}))
+    tmp.replace(checkpoint / f"{name}.yaml")  # whole or absent, never half written
+
+
 _SHARED: tuple = ()
 
 
 def _fold(source: str) -> dict[str, float]:
-    problem, params = _SHARED
-    return fit(problem, params, exclude=source)
+    problem, params, memo, checkpoint = _SHARED
+    theta = fit(problem, params, exclude=source, memo=memo)
+    _save(checkpoint, source, theta)
+    return theta
 
 
-def _folds(problem: Problem, params, sources: list[str], workers: int | None) -> list[dict]:
+def _folds(
+    problem: Problem,
+    params,
+    sources: list[str],
+    workers: int | None,
+    memo: dict | None = None,
+    checkpoint: Path | None = None,
+) -> list[dict]:
     """The fits without each source, in forked worker processes (one per core; the prepared
     problem and its compiled families are inherited, nothing is pickled but the answers)."""
     import multiprocessing as mp
-    import os
 
     global _SHARED
+    _SHARED = (problem, params, memo, checkpoint)
     workers = min(workers or os.cpu_count() or 1, len(sources))
-    if workers <= 1 or "fork" not in mp.get_all_start_methods():
-        return [fit(problem, params, exclude=s) for s in sources]
-    _SHARED = (problem, params)
     try:
+        if workers <= 1 or "fork" not in mp.get_all_start_methods():
+            return [_fold(s) for s in sources]
         with mp.get_context("fork").Pool(workers) as pool:
             return pool.map(_fold, sources, chunksize=1)
     finally:
