@@ -151,6 +151,7 @@ class Problem:
             {cid: j for j, cid in enumerate(keep)},
             {k: v for k, v in old.unexpressible.items() if k in ids},
             {k: v for k, v in old.variants.items() if k in ids},
+            {k: v for k, v in old.runs.items() if k in ids},
         )
         new._subs = {}
         return new

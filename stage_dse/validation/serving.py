@@ -339,6 +339,8 @@ class Prepared:
     unexpressible: dict[str, str]
     variants: dict[str, tuple[Case, ...]] = field(default_factory=dict)
     """The variants of cases with an unstated serving choice."""
+    runs: dict[str, str] = field(default_factory=dict)
+    """The run each case's figure comes from (:func:`_run_of`), worked out once."""
 
 
 VARIANT = "|"
@@ -382,7 +384,8 @@ def prepare(cases: list[Case]) -> Prepared:
             keys.append(one_of.setdefault(key, key))
         if len(reasons) == len(options):
             out[case.id] = reasons[0]
-    return Prepared(pd.DataFrame(rows), keys, index, out, variants)
+    runs = {c.id: _run_of(c) for c in cases}
+    return Prepared(pd.DataFrame(rows), keys, index, out, variants, runs)
 
 
 def evaluate_serving(
@@ -559,7 +562,7 @@ def _best_variant(results: pd.DataFrame, asked: list[Case], prepared: Prepared) 
         results = results.assign(requests_per_s=np.nan)
     parts = results["case"].str.partition(VARIANT)
     base, option = parts[0], parts[2]  # a case without variants: option ""
-    runs = {c.id: _run_of(c) for c in asked}
+    runs = {c.id: prepared.runs.get(c.id) or _run_of(c) for c in asked}
     run = base.map(runs).fillna(base).to_numpy()
     ok = (results["status"] == "ok").to_numpy()
     rate = results["requests_per_s"].to_numpy(float)
