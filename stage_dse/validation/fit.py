@@ -23,6 +23,7 @@ that lowers the in-sample error and raises this one has fitted noise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
@@ -380,13 +381,19 @@ ALL_SOURCES = "all-sources"
 def checkpoint_dir(problem: Problem, params: list[Parameter], corpus: str) -> Path:
     """Where :func:`leave_one_source_out` keeps finished fits for this problem: under the
     disk cache, named by everything a fit depends on (the timing, the cases and ``corpus``, a
-    digest of their records; the parameters; the package's code and presets), so a checkpoint
-    is never read by a run it does not describe."""
+    digest of their records; the parameters; the package's code and presets; under measured
+    timing the kernel tables' release), so a checkpoint is never read by a run it does not
+    describe."""
     from stage_dse.config.presets import conf_dir
     from stage_dse.diskcache import cache_dir
 
     h = hashlib.sha256()
     h.update(f"{problem.timing}|{corpus}|{params!r}".encode())
+    if problem.timing == "measured":  # the kernel tables' release
+        from importlib.metadata import PackageNotFoundError, version
+
+        with contextlib.suppress(PackageNotFoundError):
+            h.update(version("aiconfigurator-core").encode())
     h.update("|".join(sorted(c.id for c in problem.cases)).encode())
     here = Path(__file__).resolve().parent
     for root, pattern in ((here.parent, "*.py"), (conf_dir(), "*.yaml"), (here, "parameters.yaml")):
