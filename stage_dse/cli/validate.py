@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no per-case lines")
     p.add_argument("--fit", action="store_true",
                    help="refit the physical parameters and the leave-one-source-out folds "
-                   "(both timings: 70-85 minutes wall, 7,900-9,400 CPU-s on 2 cores)")  # fmt: skip
+                   "(on 2 cores ~1 h wall for roofline, 2-2.5 h for measured; finished "
+                   "fits are kept and a rerun of the same command resumes)")  # fmt: skip
     p.add_argument(
         "--record",
         action="store_true",
