@@ -76,3 +76,25 @@ def test_a_checkpoint_names_everything_a_fit_depends_on(problem):
     assert checkpoint_dir(problem, [A100], "corpus-a") != here
     assert checkpoint_dir(problem.retimed("measured"), PARAMS, "corpus-a") != here
     assert checkpoint_dir(problem.subset(problem.cases[:3]), PARAMS, "corpus-a") != here
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_refit_reports_each_fit_as_it_ends(problem, tmp_path, workers):
+    """One report per fit, counted in order, the all-source fit first; a resumed refit reports
+    the fits it reads back too."""
+    calls: list = []
+    saved = tmp_path / "fit"
+    result, _ = leave_one_source_out(
+        problem, PARAMS, workers=workers, checkpoint=saved, progress=lambda *a: calls.append(a)
+    )
+    total = len(result.folds) + 1
+    assert [c[:2] for c in calls] == [(i, total) for i in range(1, total + 1)]
+    assert calls[0][2] == ALL_SOURCES
+    assert sorted(c[2] for c in calls[1:]) == sorted(result.folds)
+    (saved / "llama3_t4.yaml").unlink()
+    again: list = []
+    leave_one_source_out(
+        problem, PARAMS, workers=workers, checkpoint=saved, progress=lambda *a: again.append(a)
+    )
+    assert [c[:2] for c in again] == [c[:2] for c in calls]
+    assert again[-1][2] == "llama3_t4"  # the one refitted, after those read back

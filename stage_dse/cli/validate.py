@@ -11,6 +11,7 @@ leave-one-source-out folds; ``--record`` writes the figures the regression test 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -123,7 +124,9 @@ def run(args, timings: tuple[str, ...]) -> pd.DataFrame:
             saved = checkpoint_dir(problem, params, corpus_hash(args.corpus))
             if not args.quiet or saved.is_dir():
                 print(f"fit timing={timing}: finished fits kept in {saved} (a rerun resumes)")
-            fitted, res = leave_one_source_out(problem, params, checkpoint=saved)
+            fitted, res = leave_one_source_out(
+                problem, params, checkpoint=saved, progress=_progress(timing)
+            )
             fits[timing] = fitted
         else:
             held = recorded.get("timings", {}).get(timing, {})
@@ -230,6 +233,21 @@ def _print_notes(results: pd.DataFrame, timings) -> None:
             if table_set(load_hardware(str(hw))) is None:
                 print(f"note: timing=measured: no measured kernel tables for {hw}; its cases "
                       "use the roofline")  # fmt: skip
+
+
+def _progress(timing: str):
+    """A line on stderr as each fit of a refit ends: how many of how many, which, wall time."""
+    t0 = time.monotonic()
+
+    def report(done: int, total: int, name: str) -> None:
+        print(
+            f"fit timing={timing}: {done}/{total} fits done ({name}), "
+            f"{(time.monotonic() - t0) / 60:.1f} min",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
 
 
 def _print_fit(fits: dict) -> None:

@@ -28,6 +28,7 @@ import copy
 import hashlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.resources import files
@@ -340,19 +341,22 @@ def leave_one_source_out(
     params: list[Parameter],
     workers: int | None = None,
     checkpoint: Path | None = None,
+    progress=None,
 ) -> tuple[FitResult, pd.DataFrame]:
     """The all-source fit and, per source, the fit without it; returns them and the cases'
     results with ``fit_err_pct`` (all-source parameters) and ``loso_err_pct``.
 
     ``checkpoint``: a folder where each finished fit is written as it ends and read back by a
     later call with the same folder (see :func:`checkpoint_dir`), so an interrupted refit
-    resumes where it stopped."""
+    resumes where it stopped. ``progress(done, total, name)``: called as each fit ends (or is
+    read back), ``name`` the held-out source or :data:`ALL_SOURCES`."""
     start = {p.name: v for p in params if (v := problem.start(p)) is not None}
     memo: dict = {}
     theta = _saved(checkpoint, ALL_SOURCES)
     if theta is None:
         theta = fit(problem, params, memo=memo)  # also compiles every family the folds need
         _save(checkpoint, ALL_SOURCES, theta)
+    report = progress or (lambda done, total, name: None)
     result = FitResult(problem.timing, params, start, theta)
     base = problem.evaluate()
     fitted = problem.evaluate(params, theta)
@@ -360,9 +364,16 @@ def leave_one_source_out(
     # a source none of whose cases the model can express has no fold (nothing to predict)
     have = base[base["status"].isin(("ok", "oom"))]
     sources = sorted(have["source"].unique())
+    total = len(sources) + 1
+    report(1, total, ALL_SOURCES)
     done = {s: f for s in sources if (f := _saved(checkpoint, s)) is not None}
     todo = [s for s in sources if s not in done]
-    done.update(zip(todo, _folds(problem, params, todo, workers, memo, checkpoint)))
+    for i, source in enumerate(done):
+        report(2 + i, total, source)
+    # the generator first: it runs to its end (closing its worker pool) when the last fold is in
+    for fold, source in zip(_folds(problem, params, todo, workers, memo, checkpoint), todo):
+        done[source] = fold
+        report(1 + len(done), total, source)
     for source in sources:
         fold = result.folds[source] = done[source]
         held = problem.subset([c for c in problem.cases if c.source.id == source])
@@ -439,9 +450,10 @@ def _folds(
     workers: int | None,
     memo: dict | None = None,
     checkpoint: Path | None = None,
-) -> list[dict]:
+) -> Iterator[dict]:
     """The fits without each source, in forked worker processes (one per core; the prepared
-    problem and its compiled families are inherited, nothing is pickled but the answers)."""
+    problem and its compiled families are inherited, nothing is pickled but the answers),
+    yielded in order as they end."""
     import multiprocessing as mp
 
     global _SHARED
@@ -449,9 +461,11 @@ def _folds(
     workers = min(workers or os.cpu_count() or 1, len(sources))
     try:
         if workers <= 1 or "fork" not in mp.get_all_start_methods():
-            return [_fold(s) for s in sources]
+            for s in sources:
+                yield _fold(s)
+            return
         with mp.get_context("fork").Pool(workers) as pool:
-            return pool.map(_fold, sources, chunksize=1)
+            yield from pool.imap(_fold, sources, chunksize=1)
     finally:
         _SHARED = ()
 
