@@ -348,8 +348,9 @@ def leave_one_source_out(
 
     ``checkpoint``: a folder where each finished fit is written as it ends and read back by a
     later call with the same folder (see :func:`checkpoint_dir`), so an interrupted refit
-    resumes where it stopped. ``progress(done, total, name)``: called as each fit ends (or is
-    read back), ``name`` the held-out source or :data:`ALL_SOURCES`."""
+    resumes where it stopped. ``progress(done, total, name)``: called for each fit as it is
+    collected (in source order) or read back, ``name`` the held-out source or
+    :data:`ALL_SOURCES`."""
     start = {p.name: v for p in params if (v := problem.start(p)) is not None}
     memo: dict = {}
     theta = _saved(checkpoint, ALL_SOURCES)
@@ -453,7 +454,7 @@ def _folds(
 ) -> Iterator[dict]:
     """The fits without each source, in forked worker processes (one per core; the prepared
     problem and its compiled families are inherited, nothing is pickled but the answers),
-    yielded in order as they end."""
+    yielded in the order of ``sources``, each once it and those before it have ended."""
     import multiprocessing as mp
 
     global _SHARED
