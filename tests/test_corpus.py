@@ -482,14 +482,15 @@ def test_megatron_expert_groups_fold_over_tensor_parallel_ranks():
     """DGX Cloud's Grok-1 on 512 H100s (tp 4, pp 8, cp 2, ep 8, etp 1): Megatron-Core forms
     the expert groups from a stage's flattened tp x cp x dp ranks whenever experts are not
     tensor-split, so each expert's optimizer states are sharded over 4 x 2 x 8 / 8 = 8 ranks
-    and the all-to-all stays inside a node. Over the 8 data-parallel ranks alone (2 expert
+    and the all-to-all stays inside a node (the group is the tp x cp ranks, 8 consecutive).
+    Over the context- and data-parallel ranks alone (experts replicated over tp, 2 expert
     replicas per stage) the stage would not fit 80 GB, yet the run was measured."""
     name = "dgxc2505_grok1_314b_h100_bf16_512gpu_tp4_pp8_cp2_ep8"
     (case,) = [c for c in CASES if c.id == name]
     setup = training_setup(case)
     hw, cl, model = setup.hardware, setup.cluster, setup.model
     folded = setup.plans[0]
-    assert folded.ep_over_tp and folded.ep_data == 2
+    assert folded.ep_over_tp and folded.ep_over_cp and folded.ep_data == 1
     apart = folded.replace(ep_over_tp=False)
     out = {
         p.ep_over_tp: evaluate_plan(model, setup.training, p, hardware=hw, cluster=cl)

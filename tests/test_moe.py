@@ -412,6 +412,47 @@ def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both(
         )
 
 
+def test_expert_groups_hold_whole_context_parallel_groups():
+    """With cp > 1 an expert group of ep > 1 spans the context-parallel ranks (Megatron-Core's
+    and torchtitan's layout): ep / cp data-parallel ranks, experts / ep per GPU, expert
+    gradients reduced over the data-parallel ranks outside the group only, the all-to-all over
+    EP x CP on consecutive ranks."""
+    from stage_dse.trace.mesh import Mesh
+
+    model = small_moe()
+    t = TrainingSpec(seq_len=512, global_batch_size=16)
+    over = ParallelPlan(dp=4, cp=2, ep=4)
+    assert over.ep_over_cp and over.ep_data == 2
+    validate_plan(model, t, over)
+    flat = ParallelPlan(dp=8, ep=4)  # the same ranks and tokens per GPU without cp
+    replicated = ParallelPlan(dp=4, cp=2, ep=1)
+    assert not replicated.ep_over_cp and replicated.ep_data == 1
+    a, b, r = (evaluate_plan(model, t, p) for p in (over, flat, replicated))
+    experts = 4 * 8 * 3 * 256 * 128 * 2  # layers x experts x 3 matrices x h x fe, 2 bytes
+    assert a["mem_weights_bytes"] == pytest.approx(b["mem_weights_bytes"], rel=1e-12)
+    assert r["mem_weights_bytes"] - a["mem_weights_bytes"] == pytest.approx(experts * 3 / 4)
+    assert a["comm_all_to_all_cp-ep"] == pytest.approx(b["comm_all_to_all_ep"], rel=1e-12)
+    # expert gradients: over DP alone (dp / ep_data = 2 replicas), not DP x CP
+    assert a["comm_all_reduce_dp"] == pytest.approx(experts / 4)
+    assert r["comm_all_reduce_cp-dp"] == pytest.approx(experts)
+    graphs = build_graphs(model, over, t)
+    groups = {op.group for op in graphs.block.ops if op.coll is CollKind.ALL_TO_ALL}
+    assert groups == {frozenset({MeshAxis.EP, MeshAxis.CP})}
+    mesh = Mesh(over)
+    assert mesh.members(frozenset({MeshAxis.EP, MeshAxis.CP}), 0) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"ep\(2\) is not a multiple of cp\(4\)"):
+        validate_plan(model, t, ParallelPlan(dp=2, cp=4, ep=2))
+    with pytest.raises(ConfigError, match=r"ep\(8\)/cp\(2\)=4 does not divide dp\(2\)"):
+        validate_plan(model, t, ParallelPlan(dp=2, cp=2, ep=8))
+    folded = ParallelPlan(dp=2, tp=2, cp=2, ep=8, ep_over_tp=True, sequence_parallel=True)
+    assert folded.ep_data == 2
+    validate_plan(model, t, folded)
+    with pytest.raises(ConfigError, match=r"ep\(2\) is not a multiple of cp\(2\)\*tp\(2\)"):
+        validate_plan(
+            model, t, ParallelPlan(dp=4, tp=2, cp=2, ep=2, ep_over_tp=True, sequence_parallel=True)
+        )
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 16), st.integers(1, 64))
 def test_node_deduplicated_dispatch_sends_at_most_what_an_all_to_all_does(copies, nodes):

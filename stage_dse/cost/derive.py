@@ -279,7 +279,9 @@ def _derive(key: CostKey) -> TrainingCosts:
     multi = 1 - single
     has_mid = _min(1, _max(0, pp - 2))
     data = S.dp * S.cp
-    expert_data = S.dp / S.ep_data * S.cp
+    # expert replicas: the data-parallel ranks outside the expert group, and the context-
+    # parallel ones unless the group spans them (ep_over_cp)
+    expert_data = S.dp / S.ep_data * (1 if key.graph.ep_over_cp else S.cp)
     if key.graph.hybrid_shard:  # ZeRO shards over one sharding group of dp / dp_replicate
         data, expert_data = data / S.dp_replicate, expert_data / S.dp_replicate
     zero = key.graph.zero_stage
@@ -362,7 +364,7 @@ def _derive(key: CostKey) -> TrainingCosts:
         head_count = next((c for sec, c in parts if sec is head), 0)
         numel = total(body, "weights_numel") + head_count * head_numel
         mp = total(body, "model_parallel_numel") + head_count * head_mp
-        # expert states are replicated over the dp/ep_data x cp ranks only (EP splits them)
+        # expert states are replicated over the expert_data ranks only (EP splits them)
         expert = total(body, "expert_model_parallel_numel")
         dense = mp - expert
 

@@ -44,6 +44,9 @@ class GraphKey:
     expert_tensor_parallel: bool = False
     ep_over_tp: bool = False
     """The expert-parallel group spans the tensor-parallel ranks (experts split over EP x TP)."""
+    ep_over_cp: bool = False
+    """The expert-parallel group spans the context-parallel ranks (experts split over EP x CP,
+    their replicas on DP only; ``ParallelPlan.ep_over_cp``)."""
     grad_sync_per_step: bool = False
     """ZeRO-2 gradients are reduce-scattered once per step (accumulated unsharded); other
     stages keep their schedule, so the key holds it for ZeRO-2 only."""
@@ -102,6 +105,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         dense_layers=model.has_dense_layers,
         expert_tensor_parallel=plan.expert_tensor_parallel,
         ep_over_tp=plan.ep_over_tp,
+        ep_over_cp=model.is_moe and plan.ep_over_cp,
         grad_sync_per_step=plan.grad_sync_per_step,
         mla=model.is_mla,
         sliding_window=model.has_sliding_window,

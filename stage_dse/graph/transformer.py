@@ -159,8 +159,11 @@ class _Builder(LatentAttention):
         g.enter_module(Module.EXPERTS)
         origin = tuple(m for ms in ln2.layout for m in ms)  # the tokens' ranks
         # experts over EP, or over EP x TP when the expert group spans the tensor-parallel
-        # ranks (each holds other experts; the tokens are split over TP by sequence parallelism)
+        # ranks (each holds other experts; the tokens are split over TP by sequence parallelism),
+        # and x CP when it spans the context-parallel ranks (their replicas then on DP only)
         expert_ranks = (EP, TP) if self.k.ep_over_tp else (EP,)
+        if self.k.ep_over_cp:
+            expert_ranks = (*expert_ranks, CP)
         slots = tuple(m for m in origin if m not in expert_ranks)
         x_d = g.permute("moe_dispatch", ln2, [E, C, H], [(), origin, ()])
         x_e = g.redistribute(x_d, [expert_ranks, slots, ()])  # all-to-all over EP (x TP)
@@ -168,7 +171,8 @@ class _Builder(LatentAttention):
         if etp:  # experts split over TP: gather the TP group's tokens
             x_e = g.redistribute(x_e, [expert_ranks, tuple(m for m in slots if m is not TP), ()])
         f_split = (TP,) if etp else ()
-        on, eb = EXPERT_DATA_AXES, self.epb
+        on = tuple(a for a in EXPERT_DATA_AXES if a not in expert_ranks)
+        eb = self.epb
         w1 = self.w("experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
         w3 = self.w("experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
         w2 = self.w("experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()], on, eb)

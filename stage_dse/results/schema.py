@@ -21,8 +21,9 @@ from stage_dse.cost.columns import (
     cost_columns,
 )
 from stage_dse.cost.compile import SYMBOL_NAMES, model_digest
+from stage_dse.cost.key import KEY_COLUMNS, PLAN_KEY_COLUMNS
 from stage_dse.cost.labels import Labels
-from stage_dse.cost.table import KEY_COLUMNS, PLAN_KEY_COLUMNS, PlanColumns
+from stage_dse.cost.table import PlanColumns
 from stage_dse.spec.hardware import HardwareSpec
 from stage_dse.spec.stages import STAGE_SYMBOLS
 
@@ -58,7 +59,8 @@ INT_CONFIG = {
 BOOL_CONFIG = {
     "tied_embeddings", "bias", "dropout", "sequence_parallel", "overlap_grad_reduce",
     "overlap_param_gather", "tp_comm_overlap", "tp_dgrad_overlap", "ep_comm_overlap", "moe",
-    "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "mla",
+    "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "ep_over_cp",
+    "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
     "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
     "fsdp_master_shards",
@@ -172,6 +174,7 @@ _HASHED_APART = (
     "offload_layers",
     "host_bandwidth",
     "recompute_share",  # never hashed: the recompute label, pp, chunks and layers fix it
+    "ep_over_cp",  # never hashed: ep, cp and the model fix it
     *FP8_RECIPE_COLUMNS,
     "rowwise_gemm_speed",
     "mxfp8_gemm_speed",

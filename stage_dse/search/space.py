@@ -43,7 +43,7 @@ __all__ = ["Enumeration", "PlanGrid", "SearchSpace", "divisors", "enumerate_plan
 Axis = Sequence[int] | str
 
 
-def _moe_rules(model, tp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]]:
+def _moe_rules(model, tp, cp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]]:
     """The expert-parallel rules of ``validate_plan``, vectorized (``fold``: ep_over_tp)."""
     if not model.is_moe:
         return [
@@ -52,7 +52,7 @@ def _moe_rules(model, tp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]
             ("ep_over_tp needs a mixture-of-experts model", fold),
         ]
     E, fe = model.num_experts, model.moe_ffn_hidden_size
-    ep_data = np.where(fold, ep // np.maximum(tp, 1), ep)
+    ep_data, cp_in = _ep_data(tp, cp, ep, fold)
     return [
         ("expert_tensor_parallel needs tp > 1", etp & (tp == 1)),
         ("ep_over_tp needs tp > 1", fold & (tp == 1)),
@@ -60,7 +60,11 @@ def _moe_rules(model, tp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]
         (f"ep does not divide experts({E})", E % ep != 0),
         ("ep is not a multiple of tp (ep_over_tp)", fold & (ep % np.maximum(tp, 1) != 0)),
         (
-            "ep does not divide dp (ep/tp with ep_over_tp)",
+            "ep is not a multiple of cp (expert groups hold whole context-parallel groups)",
+            (cp_in > 1) & ((ep // np.where(fold, np.maximum(tp, 1), 1)) % cp_in != 0),
+        ),
+        (
+            "ep does not divide dp (ep/tp with ep_over_tp, /cp with cp > 1)",
             np.where(ep_data > 0, dp % np.maximum(ep_data, 1), 1) != 0,
         ),
         ("tp > 1 with experts needs sequence parallelism", (tp > 1) & ~sp_),
@@ -69,6 +73,13 @@ def _moe_rules(model, tp, ep, etp, fold, sp_, dp) -> list[tuple[str, np.ndarray]
             etp & (fe % tp != 0),
         ),
     ]
+
+
+def _ep_data(tp, cp, ep, fold) -> tuple[np.ndarray, np.ndarray]:
+    """``ParallelPlan.ep_data`` vectorized, and the context-parallel ranks inside each expert
+    group (``cp`` where ``ep > 1``, else 1)."""
+    cp_in = np.where(ep > 1, cp, 1)
+    return np.where(fold, ep // np.maximum(tp, 1), ep) // np.maximum(cp_in, 1), cp_in
 
 
 @dataclass
@@ -150,6 +161,8 @@ class PlanGrid:
         v_sel = values("virtual_stages")
         dp = self.num_gpus // (t_tp * t_pp * t_cp)
         group = values("shard_group")  # 0: one sharding group of all dp ranks
+        ep_sel = values("ep")
+        over_cp = (ep_sel > 1) & (t_cp > 1)  # ParallelPlan.ep_over_cp
         columns: dict[str, object] = {
             **model_columns(model, training),
             "hardware": hardware.name,
@@ -182,10 +195,12 @@ class PlanGrid:
                 name: x[at["virtual_stages"], at["triple"], at["stage_layers"]]
                 for name, x in self.split_values.items()
             },
-            "ep": values("ep"),
-            "ep_data": np.where(values("ep_over_tp", bool), values("ep") // t_tp, values("ep")),
+            "ep": ep_sel,
+            "ep_data": np.where(values("ep_over_tp", bool), ep_sel // t_tp, ep_sel)
+            // np.where(over_cp, t_cp, 1),
             "expert_tensor_parallel": values("expert_tensor_parallel", bool),
             "ep_over_tp": values("ep_over_tp", bool),
+            "ep_over_cp": over_cp,
             "sequence_parallel": values("sequence_parallel", bool),
             "zero_stage": values("zero_stage"),
             "recompute": labels("recompute"),
@@ -339,13 +354,13 @@ def plan_grid(
         (f"cp does not divide seq({s})", s % cp != 0),
         (f"tp*cp does not divide seq({s}) under sequence parallelism", sp_ & (s % (tp * cp) != 0)),
         (f"dp*micro_batch does not divide global_batch({B})", B % per_step != 0),
-        *_moe_rules(model, tp, ep, etp, fold, sp_, dp),
+        *_moe_rules(model, tp, cp, ep, etp, fold, sp_, dp),
         ("shard_group needs zero_stage >= 1", hybrid & (zero == 0)),
         ("shard_group does not divide dp", hybrid & (dp % np.maximum(group, 1) != 0)),
         ("shard_group is not below dp (0 shards over all dp ranks)", hybrid & (group >= dp)),
         (
             "ep does not fit a sharding group (shard_group)",
-            hybrid & (group % np.maximum(np.where(fold, ep // np.maximum(tp, 1), ep), 1) != 0),
+            hybrid & (group % np.maximum(_ep_data(tp, cp, ep, fold)[0], 1) != 0),
         ),
         ("num_microbatches not divisible by pp (interleaved)", (v > 1) & (m % pp != 0)),
         ("dualpipe needs an even pp", dual & (pp % 2 != 0)),

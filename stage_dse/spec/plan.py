@@ -148,7 +148,10 @@ class ParallelPlan:
     ep: int = 1
     """Expert-parallel size (MoE models only): experts are split over ``ep`` of the ``dp``
     data-parallel ranks (ep divides dp), as Megatron-LM and DeepSpeed-MoE do; with
-    ``ep_over_tp`` over ``ep / tp`` data-parallel ranks times the tensor-parallel group."""
+    ``ep_over_tp`` over ``ep / tp`` data-parallel ranks times the tensor-parallel group. With
+    context parallelism (``cp > 1``) an expert group of ``ep > 1`` holds whole context-parallel
+    groups (:attr:`ep_over_cp`): ``ep / cp`` data-parallel ranks (``ep / (tp * cp)`` with
+    ``ep_over_tp``)."""
     expert_tensor_parallel: bool = False
     """Experts split over the tensor-parallel group too (ETP = tp); off, each tensor-parallel
     rank runs whole experts on its own tokens (ETP = 1)."""
@@ -398,9 +401,21 @@ class ParallelPlan:
 
     @property
     def ep_data(self) -> int:
-        """Data-parallel ranks an expert-parallel group takes: ``ep``, or ``ep / tp`` when it
-        spans the tensor-parallel ranks too."""
-        return self.ep // self.tp if self.ep_over_tp else self.ep
+        """Data-parallel ranks an expert-parallel group takes: ``ep``, divided by ``tp`` when it
+        spans the tensor-parallel ranks too and by ``cp`` when it spans the context-parallel
+        ones (:attr:`ep_over_cp`)."""
+        return self.ep // (self.tp if self.ep_over_tp else 1) // (self.cp if self.ep_over_cp else 1)
+
+    @property
+    def ep_over_cp(self) -> bool:
+        """The expert-parallel group spans the context-parallel ranks (``ep > 1`` and
+        ``cp > 1``). Both frameworks that combine the two lay expert groups so: Megatron-Core
+        builds them over the flattened tp x cp x dp ranks of a stage, ``cp`` ranks before
+        ``dp`` ones (megatron/core/parallel_state.py, the expert rank generator); torchtitan's
+        expert mesh borrows every context-parallel rank and part of ``dp_shard``
+        (torchtitan/distributed/parallel_dims.py). The context-parallel ranks then hold other
+        experts, not replicas: expert states are replicated over ``dp / ep_data`` ranks only."""
+        return self.ep > 1 and self.cp > 1
 
     @property
     def num_gpus(self) -> int:
@@ -425,10 +440,12 @@ def mesh_order(rank_order: tuple[MeshAxis, ...], hybrid: bool = False) -> tuple[
     return (*rank_order[:i], MeshAxis.DS, MeshAxis.DR, *rank_order[i + 1 :])
 
 
-def ep_fits_over_tp(ep: int, tp: int, dp: int) -> bool:
+def ep_fits_over_tp(ep: int, tp: int, dp: int, cp: int = 1) -> bool:
     """Whether ``ep`` expert ranks can span the tensor-parallel group (``ep_over_tp``): whole
-    groups of ``tp``, taking ``ep / tp`` of the ``dp`` data-parallel ranks."""
-    return tp > 1 and ep % tp == 0 and dp % (ep // tp) == 0
+    groups of ``tp`` (of ``tp * cp`` when ``ep > 1`` and ``cp > 1``,
+    :attr:`ParallelPlan.ep_over_cp`), taking the rest of the ``dp`` data-parallel ranks."""
+    inner = tp * (cp if ep > 1 else 1)
+    return tp > 1 and ep % inner == 0 and dp % (ep // inner) == 0
 
 
 def check_recompute_modules(model: ModelSpec, modules: tuple[str, ...]) -> None:
@@ -499,6 +516,13 @@ def validate_plan(
             raise ConfigError("plan.ep_over_tp needs a mixture-of-experts model")
     else:
         divides("ep", plan.ep, "experts", model.num_experts)
+        if plan.ep_over_cp and plan.ep % (plan.cp * (plan.tp if plan.ep_over_tp else 1)):
+            inner = f"cp({plan.cp})*tp({plan.tp})" if plan.ep_over_tp else f"cp({plan.cp})"
+            raise ConfigError(
+                f"ep({plan.ep}) is not a multiple of {inner} (an expert group holds whole "
+                "context-parallel groups, as Megatron-Core and torchtitan lay them out; "
+                "set ep=1 or a multiple)"
+            )
         if plan.ep_over_tp:
             if plan.ep % plan.tp:
                 raise ConfigError(
@@ -506,14 +530,27 @@ def validate_plan(
                     "expert-parallel group holds whole tensor-parallel groups)"
                 )
             if plan.dp % plan.ep_data:
+                over = f"tp({plan.tp})*cp({plan.cp})" if plan.ep_over_cp else f"tp({plan.tp})"
                 raise ConfigError(
-                    f"ep({plan.ep})/tp({plan.tp})={plan.ep_data} does not divide dp({plan.dp}) "
-                    "(ep_over_tp: the expert-parallel group takes ep/tp data-parallel ranks)"
+                    f"ep({plan.ep})/{over}={plan.ep_data} does not divide dp({plan.dp}) "
+                    "(ep_over_tp: the expert-parallel group takes that many data-parallel ranks)"
                 )
-        elif plan.dp % plan.ep:
+        elif plan.ep_over_cp and plan.dp % plan.ep_data:
             hint = (
                 "; set ep_over_tp=true to span the tensor-parallel ranks too"
-                if not plan.expert_tensor_parallel and ep_fits_over_tp(plan.ep, plan.tp, plan.dp)
+                if not plan.expert_tensor_parallel
+                and ep_fits_over_tp(plan.ep, plan.tp, plan.dp, plan.cp)
+                else ""
+            )
+            raise ConfigError(
+                f"ep({plan.ep})/cp({plan.cp})={plan.ep_data} does not divide dp({plan.dp}) "
+                f"(the expert-parallel group takes that many data-parallel ranks){hint}"
+            )
+        elif not plan.ep_over_cp and plan.dp % plan.ep:
+            hint = (
+                "; set ep_over_tp=true to span the tensor-parallel ranks too"
+                if not plan.expert_tensor_parallel
+                and ep_fits_over_tp(plan.ep, plan.tp, plan.dp, plan.cp)
                 else ""
             )
             raise ConfigError(f"ep({plan.ep}) does not divide dp({plan.dp}){hint}")

@@ -218,8 +218,14 @@ def _plan(f: dict, framework: FrameworkSpec, model: ModelSpec) -> ParallelPlan:
     # Megatron-Core lays them out whenever expert_tensor_parallel_size is 1, even where dp
     # alone could hold ep (megatron/core/parallel_state.py initialize_model_parallel: the
     # expert ranks come from the flattened tp x cp x dp ranks of a stage, expert data
-    # parallel = world / (etp x ep x pp); "MoE parallel folding", Liu et al. 2025)
-    fold = bool(model.is_moe and etp != tp and ep_fits_over_tp(ep, tp, dp))
+    # parallel = world / (etp x ep x pp); "MoE parallel folding", Liu et al. 2025); with
+    # cp > 1 the group holds whole context-parallel groups (ParallelPlan.ep_over_cp)
+    fold = bool(model.is_moe and etp != tp and ep_fits_over_tp(ep, tp, dp, cp))
+    if model.is_moe and etp == 1 and tp > 1 and ep > 1 and cp > 1 and not fold:
+        raise Unexpressible(
+            f"expert group of ep({ep}) over tp({tp}) x part of cp({cp}) (Megatron-Core's folding "
+            "below tp x cp ranks; expert groups here hold whole context-parallel groups)"
+        )
     v = f.get("virtual_stages", 1)
     flags = framework.plan_flags()
     if f.get("async_tp"):  # torchtitan's async TP: gathers / reduce-scatters pipelined with GEMMs
@@ -284,7 +290,8 @@ def plan_label(plan: ParallelPlan) -> str:
     if plan.cp > 1:
         parts.append(f"cp{plan.cp}")
     if plan.ep > 1:
-        parts.append(f"ep{plan.ep}" + ("(over tp)" if plan.ep_over_tp else ""))
+        over = [a for a, on in (("tp", plan.ep_over_tp), ("cp", plan.ep_over_cp)) if on]
+        parts.append(f"ep{plan.ep}" + (f"(over {'+'.join(over)})" if over else ""))
     if plan.virtual_stages > 1:
         parts.append(f"v{plan.virtual_stages}")
     if plan.schedule.value in ("zb1p", "dualpipe"):
