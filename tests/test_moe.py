@@ -412,7 +412,7 @@ def test_expert_parallelism_over_tensor_parallel_ranks_splits_experts_over_both(
         )
 
 
-def test_expert_groups_hold_whole_context_parallel_groups():
+def test_expert_groups_hold_whole_context_parallel_groups(tmp_path):
     """With cp > 1 an expert group of ep > 1 spans the context-parallel ranks (Megatron-Core's
     and torchtitan's layout): ep / cp data-parallel ranks, experts / ep per GPU, expert
     gradients reduced over the data-parallel ranks outside the group only, the all-to-all over
@@ -440,6 +440,22 @@ def test_expert_groups_hold_whole_context_parallel_groups():
     assert groups == {frozenset({MeshAxis.EP, MeshAxis.CP})}
     mesh = Mesh(over)
     assert mesh.members(frozenset({MeshAxis.EP, MeshAxis.CP}), 0) == [0, 1, 2, 3]
+    from stage_dse.trace.build import TraceConfig
+
+    out = tmp_path / "trace"
+    cluster = load_cluster("dgx_h100").replace(num_gpus=8)
+    write_trace_set(TraceConfig(model, t, over, H100, cluster), out)
+    assert check_trace_dir(out) == []
+    groups = json.loads((out / "comm_groups.json").read_text())
+    _, nodes = read_trace(out / "trace.5.et")
+    a2a = [
+        n
+        for n in nodes
+        if n.type == pb.COMM_COLL_NODE
+        and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
+    ]
+    pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
+    assert sorted(groups[pg]) == [4, 5, 6, 7]  # rank 5's expert group: cp x ep, consecutive
     with pytest.raises(ConfigError, match=r"ep\(2\) is not a multiple of cp\(4\)"):
         validate_plan(model, t, ParallelPlan(dp=2, cp=4, ep=2))
     with pytest.raises(ConfigError, match=r"ep\(8\)/cp\(2\)=4 does not divide dp\(2\)"):
