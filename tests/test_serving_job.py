@@ -185,3 +185,45 @@ def test_recommend_mode_without_targets_is_refused(tmp_path):
         job_of(["mode=recommend"], tmp_path)
     with pytest.raises(ConfigError, match=r"^serving\.sla\.tpot_ms must be > 0"):
         job_of(["serving.sla.tpot_ms=-5"], tmp_path)
+
+
+def test_vllm_limits_follow_the_gpu_as_vllm_serve_picks_them(tmp_path):
+    """vLLM's `vllm serve` defaults: max_num_seqs 1024 and max_num_batched_tokens 8192 on a GPU
+    of at least 70 GiB that is not an A100, 256 and 2048 elsewhere. A continuous sweep with the
+    engine and no stated budget runs each GPU at its own; a stated budget holds everywhere."""
+    from stage_dse.config import load_engine, load_hardware
+
+    vllm = load_engine("vllm")
+    limits = {
+        hw: (e.max_running, e.prefill_budget)
+        for hw in ("h100_sxm", "h200", "b200", "mi300x", "a100_80gb", "l40s")
+        for e in [vllm.for_hardware(load_hardware(hw))]
+    }
+    assert limits == {
+        "h100_sxm": (1024, 8192),
+        "h200": (1024, 8192),
+        "b200": (1024, 8192),
+        "mi300x": (1024, 8192),
+        "a100_80gb": (256, 2048),
+        "l40s": (256, 2048),
+    }
+    trtllm = load_engine("trtllm")
+    assert trtllm.for_hardware(load_hardware("h100_sxm")) == trtllm  # one set for every GPU
+    sweep = [
+        "serving.mode=continuous",
+        "serving.engine=vllm",
+        "serving.hardware=[h100_sxm,a100_80gb]",
+        "serving.tp=[1]",
+    ]
+    rows = run_job(sweep, tmp_path).rows
+    assert rows.groupby("hardware")["prefill_budget"].unique().map(list).to_dict() == {
+        "a100_80gb": [2048.0],
+        "h100_sxm": [8192.0],
+    }
+    stated = run_job([*sweep, "serving.prefill_budget=[4096]"], tmp_path / "stated").rows
+    assert set(stated["prefill_budget"]) == {4096.0}
+    assert set(run_job(["serving.mode=continuous"], tmp_path / "none").rows["prefill_budget"]) == {
+        2048.0
+    }
+    with pytest.raises(ConfigError, match=r"engine\.large_gpu_excludes must be a list"):
+        vllm.replace(large_gpu_excludes="a100")

@@ -161,6 +161,8 @@ def engine_from_dict(data: dict[str, Any]) -> EngineSpec:
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ConfigError(f"engine.{key}_us must be a number, got {value!r}")
             data[f"{key}_s"] = value * 1e-6
+    if isinstance(data.get("large_gpu_excludes"), list):
+        data["large_gpu_excludes"] = tuple(data["large_gpu_excludes"])
     fields = {f.name for f in dataclasses.fields(EngineSpec)}
     unknown = sorted(set(data) - fields)
     if unknown:

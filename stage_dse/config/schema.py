@@ -290,8 +290,9 @@ class ServingConf:
     """static (batch prefilled then decoded) or continuous (iteration-level batching with
     chunked prefill; batch_size lists the most running requests of a replica, over its pp
     batches in flight)."""
-    prefill_budget: list[int] = field(default_factory=lambda: [2048])
-    """Continuous batching: prompt tokens per engine step."""
+    prefill_budget: list[int] = field(default_factory=list)
+    """Continuous batching: prompt tokens per engine step (empty: the engine's default on each
+    GPU, e.g. vLLM's 8,192 on an H100 and 2,048 on an A100; 2,048 with no engine)."""
     arrival_rate: float = 0.0
     """Continuous batching: requests/s per replica (0: saturated, no queueing)."""
     draft_tokens: int = 0
@@ -519,6 +520,8 @@ def to_serving_sweep(cfg: DictConfig) -> ServingSweepSpec:
     if not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0):
         raise ConfigError(f"serving.max_total_tokens must be an integer >= 0, got {cap!r}")
     engine = load_engine(str(sv.get("engine", "none")))
+    if not budgets:  # not stated: the engine's default token budget on each GPU
+        budgets = [0] if engine.name != "none" else [2048]
     # serving rows never share a folder with training rows: the default name gets a suffix
     name = c["sweep_name"] if c["sweep_name"] != "default" else "default_serving"
     return ServingSweepSpec(

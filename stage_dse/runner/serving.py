@@ -135,6 +135,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
         except ConfigError as exc:
             report.rejected[_rule(str(exc))] += 1
             continue
+        if continuous and budget == 0:  # the engine's default on this GPU
+            budget = spec.engine.for_hardware(hw).prefill_budget
         row.update(
             {
                 "serving_mode": spec.mode,

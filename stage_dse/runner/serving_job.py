@@ -204,6 +204,7 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
         else tuple(spec.tp)
     )
     answers, candidates = [], []
+    engine_caps = [spec.engine.for_hardware(hw).max_running for hw in spec.hardware]
     for hw in spec.hardware:
         answer = recommend(
             spec.model,
@@ -222,7 +223,7 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
             moe_routing=spec.moe_routing,
             moe_dispatch=spec.moe_dispatch,
             max_running=job.max_running,
-            engine=spec.engine,
+            engine=spec.engine.for_hardware(hw),
             prefill_hardware=job.prefill_hardware,
             kv_link=job.kv_link,
             timing=job.timing,
@@ -258,8 +259,12 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
         weights_dtype=str(spec.weights_dtype),
         kv_dtype=str(spec.kv_dtype),
         engine=spec.engine.name,
-        running_cap=job.max_running or spec.engine.max_running,
-        running_cap_from="engine.max_running" if job.max_running is None else "serving.batch_size",
+        running_cap=job.max_running or max(engine_caps),
+        running_cap_from=(
+            "serving.batch_size"
+            if job.max_running is not None
+            else "engine.max_running" + (", by GPU" if len(set(engine_caps)) > 1 else "")
+        ),
         timing=job.timing,
         hardware=tuple(answers),
         path=path,

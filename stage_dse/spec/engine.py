@@ -6,8 +6,9 @@ the next batch, prepares inputs, samples, detokenizes and streams; what of that 
 not hide behind the GPU (overlap or asynchronous schedulers) lengthens every step. Two costs
 describe it: a fixed one per iteration and one per running request per iteration. The limits
 (``max_running``, ``prefill_budget``) are the engine's documented defaults, used where a
-measurement does not state its own. Profiles live in ``conf/engine/<name>.yaml`` with their
-citations; ``none`` adds nothing (the kernels alone).
+measurement does not state its own; an engine that picks them by GPU states the rule
+(``large_gpu_*``, :meth:`EngineSpec.for_hardware`). Profiles live in
+``conf/engine/<name>.yaml`` with their citations; ``none`` adds nothing (the kernels alone).
 
 **KV-cache pool.** Engines do not give the cache all the memory the weights and the working
 set leave; each sizes it by its own rule (``kv_memory_rule``, with ``kv_memory_fraction``):
@@ -95,6 +96,15 @@ class EngineSpec:
     """Default running-request limit (``max_num_seqs``, ``max_batch_size``)."""
     prefill_budget: int = 8192
     """Default tokens per iteration (``max_num_batched_tokens``, ``max_num_tokens``)."""
+    large_gpu_min_gib: float = 0.0
+    """GPUs with at least this much memory (GiB) run the ``large_gpu_*`` limits instead (0: one
+    set of limits for every GPU)."""
+    large_gpu_excludes: tuple[str, ...] = ()
+    """Hardware names holding one of these run the base limits whatever their memory."""
+    large_gpu_max_running: int = 0
+    """``max_running`` on a large GPU (0: the base value)."""
+    large_gpu_prefill_budget: int = 0
+    """``prefill_budget`` on a large GPU (0: the base value)."""
     cuda_graph_max_batch: int = 0
     """Largest decode batch captured in a CUDA graph (0: not stated); informational."""
     scheduling: str = ""
@@ -182,12 +192,38 @@ class EngineSpec:
                 f"engine.mxfp4_moe_activations must be one of "
                 f"{', '.join(MXFP4_MOE_ACTIVATIONS)}, got {self.mxfp4_moe_activations!r}"
             )
-        v = self.cuda_graph_max_batch
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
-            raise ConfigError(f"engine.cuda_graph_max_batch must be an integer >= 0, got {v!r}")
+        for field in ("cuda_graph_max_batch", "large_gpu_max_running", "large_gpu_prefill_budget"):
+            v = getattr(self, field)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ConfigError(f"engine.{field} must be an integer >= 0, got {v!r}")
+        v = self.large_gpu_min_gib
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0):
+            raise ConfigError(
+                f"engine.large_gpu_min_gib must be GiB >= 0 (0: no rule, e.g. 70), got {v!r}"
+            )
+        if isinstance(self.large_gpu_excludes, str) or not all(
+            isinstance(x, str) for x in self.large_gpu_excludes
+        ):
+            raise ConfigError(
+                "engine.large_gpu_excludes must be a list of hardware-name parts (e.g. [a100]), "
+                f"got {self.large_gpu_excludes!r}"
+            )
 
     def replace(self, **changes: object) -> EngineSpec:
         return dataclasses.replace(self, **changes)
+
+    def for_hardware(self, hardware) -> EngineSpec:
+        """This profile with the limits it defaults to on ``hardware`` (a ``HardwareSpec``):
+        the ``large_gpu_*`` ones on a GPU of at least ``large_gpu_min_gib`` whose name holds
+        none of ``large_gpu_excludes``, else the base ones."""
+        if not self.large_gpu_min_gib or hardware.hbm_bytes < self.large_gpu_min_gib * 2**30:
+            return self
+        if any(x in hardware.name for x in self.large_gpu_excludes):
+            return self
+        return self.replace(
+            max_running=self.large_gpu_max_running or self.max_running,
+            prefill_budget=self.large_gpu_prefill_budget or self.prefill_budget,
+        )
 
     def cost_columns(self) -> dict[str, float]:
         """The table columns of what this engine adds to each continuous-batching step

@@ -280,7 +280,8 @@ class ServingSweepSpec:
     """``static`` (a batch prefilled, then decoded together) or ``continuous`` (iteration-level
     batching with chunked prefill: ``batch_sizes`` are the most running requests)."""
     prefill_budgets: Sequence[int] = (2048,)
-    """Continuous batching: prompt tokens per engine step (the chunk)."""
+    """Continuous batching: prompt tokens per engine step (the chunk); 0: the engine's default
+    on each GPU (``EngineSpec.for_hardware``)."""
     arrival_rate: float = 0.0
     """Continuous batching: requests/s offered to each replica (0: saturated)."""
     draft_tokens: int = 0

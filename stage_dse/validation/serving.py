@@ -226,6 +226,12 @@ def case_engine(case: Case) -> EngineSpec:
 
 
 @cache
+def _hardware(name: str):
+    """A hardware preset, read once per process."""
+    return load_hardware(name)
+
+
+@cache
 def _engine(name: str) -> EngineSpec:
     """An engine profile, read once per process: every evaluation of the corpus asks for one
     per case several times over, and the fit evaluates it hundreds of times."""
@@ -432,7 +438,7 @@ def evaluate_serving(
             limits = [
                 _limits(
                     x,
-                    case_engine(by_id[cid]),
+                    case_engine(by_id[cid]).for_hardware(_hardware(x["hardware"])),
                     (tuned_batch[i], tuned_tokens[i]),
                     by_id[cid].unstated or (),
                 )
