@@ -29,6 +29,20 @@ from stage_dse.trace.encode import read_trace
 H100 = load_hardware("h100_sxm")
 
 
+def all_to_all_group(trace_dir, rank: int) -> list[int]:
+    """The ranks of the communicator group of ``rank``'s first all-to-all in a trace set."""
+    groups = json.loads((trace_dir / "comm_groups.json").read_text())
+    _, nodes = read_trace(trace_dir / f"trace.{rank}.et")
+    a2a = [
+        n
+        for n in nodes
+        if n.type == pb.COMM_COLL_NODE
+        and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
+    ]
+    assert a2a, f"rank {rank} runs no all-to-all"
+    return groups[next(a.string_val for a in a2a[0].attr if a.name == "pg_name")]
+
+
 def small_moe(**kw) -> ModelSpec:
     base = dict(
         name="moe_test",
@@ -186,17 +200,7 @@ def test_moe_sweep_and_expert_parallel_trace(tmp_path):
         assert check_trace_dir(out) == []
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["comp_flops_total"] == manifest["analytic_flops_total"]
-        groups = json.loads((out / "comm_groups.json").read_text())
-        _, nodes = read_trace(out / "trace.0.et")
-        a2a = [
-            n
-            for n in nodes
-            if n.type == pb.COMM_COLL_NODE
-            and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
-        ]
-        assert a2a
-        pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
-        assert len(groups[pg]) == int(row["ep"])  # the expert-parallel group
+        assert len(all_to_all_group(out, 0)) == int(row["ep"])  # the expert-parallel group
 
 
 def test_latent_attention_rotary_key_gradient_is_reduced_over_tensor_parallel_ranks():
@@ -446,16 +450,7 @@ def test_expert_groups_hold_whole_context_parallel_groups(tmp_path):
     cluster = load_cluster("dgx_h100").replace(num_gpus=8)
     write_trace_set(TraceConfig(model, t, over, H100, cluster), out)
     assert check_trace_dir(out) == []
-    groups = json.loads((out / "comm_groups.json").read_text())
-    _, nodes = read_trace(out / "trace.5.et")
-    a2a = [
-        n
-        for n in nodes
-        if n.type == pb.COMM_COLL_NODE
-        and any(a.name == "comm_type" and a.int64_val == pb.ALL_TO_ALL for a in n.attr)
-    ]
-    pg = next(a.string_val for a in a2a[0].attr if a.name == "pg_name")
-    assert sorted(groups[pg]) == [4, 5, 6, 7]  # rank 5's expert group: cp x ep, consecutive
+    assert sorted(all_to_all_group(out, 5)) == [4, 5, 6, 7]  # cp x ep, consecutive ranks
     with pytest.raises(ConfigError, match=r"ep\(2\) is not a multiple of cp\(4\)"):
         validate_plan(model, t, ParallelPlan(dp=2, cp=4, ep=2))
     with pytest.raises(ConfigError, match=r"ep\(8\)/cp\(2\)=4 does not divide dp\(2\)"):
