@@ -187,7 +187,8 @@ class PlanConf:
     pp: Any = "auto"
     cp: Any = field(default_factory=lambda: [1])
     ep: Any = field(default_factory=lambda: [1])
-    """Expert-parallel sizes (MoE models): a list or ``auto`` (divisors of the expert count)."""
+    """Expert-parallel sizes (MoE models): a list or ``auto`` (divisors of the expert count).
+    With ``cp`` > 1 an expert group holds whole context-parallel groups (ep a multiple of cp)."""
     expert_tensor_parallel: list[bool] = field(default_factory=lambda: [False])
     ep_over_tp: list[bool] = field(default_factory=lambda: [False])
     """Expert-parallel groups that span the tensor-parallel ranks too (ep may exceed dp)."""
