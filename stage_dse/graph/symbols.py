@@ -135,8 +135,9 @@ class Symbols:
     dp_replicate = _sym("dp_replicate")
     """Replicas of a hybrid-sharded data-parallel group (``plan.dp_replicate``; 1 otherwise)."""
     ep_data = _sym("ep_data")
-    """Data-parallel ranks one expert-parallel group takes: ``ep``, or ``ep / tp`` when the
-    group spans the tensor-parallel ranks too (``ep_over_tp``)."""
+    """Data-parallel ranks one expert-parallel group takes: ``ep``, divided by ``tp`` when the
+    group spans the tensor-parallel ranks too (``ep_over_tp``) and by ``cp`` when it spans the
+    context-parallel ones (``ep_over_cp``)."""
     virtual_stages = _sym("virtual_stages")
     # the layer split over pipeline stages (stage_dse.spec.stages.stage_values)
     first_layers = _sym("first_layers")
@@ -293,8 +294,8 @@ class _Degrees(Mapping):
         if self._sizes is None:
             # expert parallelism is carved out of the data-parallel ranks: the DP mesh axis
             # holds the dp / ep_data replicas of each expert shard, so DP x EP spans all dp
-            # data-parallel ranks (ep_data = ep, or ep / tp when the expert group also spans
-            # the tensor-parallel ranks); under hybrid sharding DS x EP is one sharding group
+            # data-parallel ranks (ep_data = ep, divided by tp and cp when the expert group also
+            # spans those ranks); under hybrid sharding DS x EP is one sharding group
             # and DR its dp_replicate replicas, in DP's place
             self._sizes = {
                 MeshAxis.DP: S.dp / S.ep_data,
