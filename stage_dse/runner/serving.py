@@ -110,6 +110,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
     rows, keys = [], []
     continuous = spec.mode == "continuous"
     budgets = spec.prefill_budgets if continuous else (None,)
+    # budget 0: the engine's default on each GPU (EngineSpec.for_hardware)
+    default_budget = {hw.name: spec.engine.for_hardware(hw).prefill_budget for hw in spec.hardware}
     mix = [tuple(float(x) for x in item) for item in spec.request_mix]
     prompts, out_tokens, mix_label = spec.prompt_lens, spec.output_tokens, None
     if mix:  # one row per layout: the static parts at the mix's mean lengths
@@ -135,8 +137,8 @@ def _run_serving(spec, store, log, replaced, timing: ServingTiming) -> SweepRepo
         except ConfigError as exc:
             report.rejected[_rule(str(exc))] += 1
             continue
-        if continuous and budget == 0:  # the engine's default on this GPU
-            budget = spec.engine.for_hardware(hw).prefill_budget
+        if continuous and budget == 0:
+            budget = default_budget[hw.name]
         row.update(
             {
                 "serving_mode": spec.mode,

@@ -204,8 +204,9 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
         else tuple(spec.tp)
     )
     answers, candidates = [], []
-    engine_caps = [spec.engine.for_hardware(hw).max_running for hw in spec.hardware]
-    for hw in spec.hardware:
+    engines = [spec.engine.for_hardware(hw) for hw in spec.hardware]  # its limits on each GPU
+    engine_caps = [e.max_running for e in engines]
+    for hw, engine in zip(spec.hardware, engines, strict=True):
         answer = recommend(
             spec.model,
             hw,
@@ -223,7 +224,7 @@ def _recommend(job: ServingJob, root: Path) -> RecommendResult:
             moe_routing=spec.moe_routing,
             moe_dispatch=spec.moe_dispatch,
             max_running=job.max_running,
-            engine=spec.engine.for_hardware(hw),
+            engine=engine,
             prefill_hardware=job.prefill_hardware,
             kv_link=job.kv_link,
             timing=job.timing,

@@ -162,7 +162,7 @@ class PlanGrid:
         dp = self.num_gpus // (t_tp * t_pp * t_cp)
         group = values("shard_group")  # 0: one sharding group of all dp ranks
         ep_sel = values("ep")
-        over_cp = (ep_sel > 1) & (t_cp > 1)  # ParallelPlan.ep_over_cp
+        ep_data, cp_in = _ep_data(t_tp, t_cp, ep_sel, values("ep_over_tp", bool))
         columns: dict[str, object] = {
             **model_columns(model, training),
             "hardware": hardware.name,
@@ -196,11 +196,10 @@ class PlanGrid:
                 for name, x in self.split_values.items()
             },
             "ep": ep_sel,
-            "ep_data": np.where(values("ep_over_tp", bool), ep_sel // t_tp, ep_sel)
-            // np.where(over_cp, t_cp, 1),
+            "ep_data": ep_data,
             "expert_tensor_parallel": values("expert_tensor_parallel", bool),
             "ep_over_tp": values("ep_over_tp", bool),
-            "ep_over_cp": over_cp,
+            "ep_over_cp": cp_in > 1,  # ParallelPlan.ep_over_cp
             "sequence_parallel": values("sequence_parallel", bool),
             "zero_stage": values("zero_stage"),
             "recompute": labels("recompute"),

@@ -535,24 +535,18 @@ def validate_plan(
                     f"ep({plan.ep})/{over}={plan.ep_data} does not divide dp({plan.dp}) "
                     "(ep_over_tp: the expert-parallel group takes that many data-parallel ranks)"
                 )
-        elif plan.ep_over_cp and plan.dp % plan.ep_data:
+        elif plan.dp % plan.ep_data:  # ep_data: ep, or ep / cp with ep_over_cp
             hint = (
                 "; set ep_over_tp=true to span the tensor-parallel ranks too"
                 if not plan.expert_tensor_parallel
                 and ep_fits_over_tp(plan.ep, plan.tp, plan.dp, plan.cp)
                 else ""
             )
-            raise ConfigError(
-                f"ep({plan.ep})/cp({plan.cp})={plan.ep_data} does not divide dp({plan.dp}) "
-                f"(the expert-parallel group takes that many data-parallel ranks){hint}"
-            )
-        elif not plan.ep_over_cp and plan.dp % plan.ep:
-            hint = (
-                "; set ep_over_tp=true to span the tensor-parallel ranks too"
-                if not plan.expert_tensor_parallel
-                and ep_fits_over_tp(plan.ep, plan.tp, plan.dp, plan.cp)
-                else ""
-            )
+            if plan.ep_over_cp:
+                raise ConfigError(
+                    f"ep({plan.ep})/cp({plan.cp})={plan.ep_data} does not divide dp({plan.dp}) "
+                    f"(the expert-parallel group takes that many data-parallel ranks){hint}"
+                )
             raise ConfigError(f"ep({plan.ep}) does not divide dp({plan.dp}){hint}")
         if plan.tp > 1 and not plan.sequence_parallel:
             raise ConfigError(

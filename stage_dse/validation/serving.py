@@ -226,9 +226,10 @@ def case_engine(case: Case) -> EngineSpec:
 
 
 @cache
-def _hardware(name: str):
-    """A hardware preset, read once per process."""
-    return load_hardware(name)
+def _engine_on(name: str, hardware: str) -> EngineSpec:
+    """An engine profile with the limits it defaults to on one GPU
+    (:meth:`EngineSpec.for_hardware`), once per pair: every evaluation asks for them."""
+    return _engine(name).for_hardware(load_hardware(hardware))
 
 
 @cache
@@ -438,7 +439,7 @@ def evaluate_serving(
             limits = [
                 _limits(
                     x,
-                    case_engine(by_id[cid]).for_hardware(_hardware(x["hardware"])),
+                    _engine_on(x.get("engine", ""), x["hardware"]),
                     (tuned_batch[i], tuned_tokens[i]),
                     by_id[cid].unstated or (),
                 )
