@@ -49,6 +49,7 @@ def model_values(model: ModelSpec, training: TrainingSpec) -> dict[str, float]:
         "gemm_bytes": training.gemm_dtype.bytes,
         "master_bytes": training.master_dtype.bytes,
         "expert_gemm_bytes": training.gemm_dtype.bytes,
+        "quantized_dispatch": 0.0,
         **fp8_recipe_values(training.fp8_recipe, training.block_scaled),
         "context": training.seq_len,
         "prompt": training.seq_len,

@@ -132,15 +132,21 @@ def _exchange(op, dispatch: str) -> tuple[CollKind, sp.Expr]:
     every token on every rank (the dispatch) and reduce-scatters the experts' outputs (the
     combine), ``ep / top_k`` of the graph's bytes each; ``alltoall`` sends a token once to each
     rank holding any of its experts (the rank-deduplicated share, :func:`node_dedup_share`
-    over the group's ranks)."""
+    over the group's ranks). With ``quantized_dispatch`` the dispatch carries
+    ``expert_gemm_bytes`` per element in place of the hidden states' own (the combine stays
+    16-bit)."""
     if op.coll is not CollKind.ALL_TO_ALL or MeshAxis.EP not in op.group:
         return op.coll, op.comm_bytes
     ranks = sp.Mul(*[DEGREE[axis] for axis in op.group])
+    sent = [t for t in op.inputs if t.name == "moe_dispatch"]
+    size = op.comm_bytes
+    if sent:
+        own = sent[0].dtype_bytes
+        size = size * (1 + S.quantized_dispatch * (S.expert_gemm_bytes / own - 1))
     if dispatch == "allgather":
-        dispatching = any(t.name == "moe_dispatch" for t in op.inputs)
-        kind = CollKind.ALL_GATHER if dispatching else CollKind.REDUCE_SCATTER
-        return kind, op.comm_bytes * ranks / S.top_k
-    return op.coll, op.comm_bytes * node_dedup_share(S.top_k, ranks)
+        kind = CollKind.ALL_GATHER if sent else CollKind.REDUCE_SCATTER
+        return kind, size * ranks / S.top_k
+    return op.coll, size * node_dedup_share(S.top_k, ranks)
 
 
 def _forward(

@@ -117,6 +117,10 @@ class Symbols:
     """The same for the routed experts' grouped GEMMs: ``gemm_bytes``, but 1 where an engine runs
     MXFP4 experts with MXFP8 activations on FP4 hardware beside 16-bit layers (W4A8,
     ``EngineSpec.mxfp4_moe_activations``)."""
+    quantized_dispatch = _nonneg("quantized_dispatch")
+    """Serving: 1 where expert-parallel token dispatch sends ``expert_gemm_bytes`` per element
+    (an engine that quantizes before sending, ``EngineSpec.quantized_dispatch``), 0 where it
+    sends the 16-bit hidden states."""
     master_bytes = _real("master_bytes")
     """Bytes per value of the optimizer's master weights (``training.master_dtype``)."""
     # the FP8 scaling recipe (stage_dse.spec.training.Fp8Recipe), 0/1 each, 0 for tensorwise

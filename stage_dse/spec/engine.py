@@ -55,6 +55,14 @@ older TensorRT engine flow left it to the ``use_fp8_context_fmha`` build flag, o
 Such a kernel runs ``HardwareSpec.fp8_attention_speedup`` times as fast as the 16-bit one,
 measured per GPU (:meth:`EngineSpec.context_attention_speed`).
 
+**Quantized token dispatch** (``quantized_dispatch``). Where attention ranks exchange tokens
+with expert-parallel ranks, TensorRT-LLM quantizes the hidden states to the experts' input
+format before sending them: NVFP4 values with their block scales, MXFP8, or per-tensor FP8
+("post-quant" all-gather or all-to-all, ``run_post_quant_allgather`` in
+``tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py``; FP8 block-scaled experts
+quantize inside the MoE kernel and send 16-bit). The experts' outputs come back in 16-bit. A
+dispatch then moves ``expert_gemm_bytes`` per element where 16-bit engines move 2.
+
 **MXFP4 experts on FP4 hardware** (``mxfp4_moe_activations``). Where a checkpoint stores only
 the routed experts in MXFP4 (gpt-oss: attention, router and embeddings in bf16), an engine on
 a GPU with FP4 tensor cores picks the experts' activation format itself:
@@ -116,6 +124,9 @@ class EngineSpec:
     """Prefill attention runs on the FP8 tensor cores (queries, keys and values quantized) when
     the linear layers are FP8 or FP4 or the KV cache is FP8 (module docstring, *FP8 prefill
     attention*)."""
+    quantized_dispatch: bool = False
+    """Expert-parallel token dispatch sends the hidden states in the experts' GEMM input format
+    (module docstring, *Quantized token dispatch*); off, in 16-bit."""
     mxfp4_moe_activations: str = "bf16"
     """The activation format of MXFP4 routed experts beside 16-bit layers on GPUs with FP4
     tensor cores: ``bf16`` (W4A16 math) or ``mxfp8`` (W4A8 on the FP8 tensor cores); module
@@ -178,6 +189,7 @@ class EngineSpec:
             )
         for field in (
             "fp8_context_attention",
+            "quantized_dispatch",
             "dp_attention_splits_budget",
             "dp_attention_splits_running",
             "running_limit_per_stage",
@@ -229,12 +241,14 @@ class EngineSpec:
         """The table columns of what this engine adds to each continuous-batching step
         (:func:`stage_dse.cost.batching.continuous_batching` reads them): ``step_overhead_s``,
         ``request_overhead_s``, ``dp_context_sync`` (1.0 when attention ranks run their
-        prompts together) and ``kv_reserve_ratio``."""
+        prompts together) and ``kv_reserve_ratio``; and the symbol column
+        ``quantized_dispatch`` (1.0 when token dispatch sends the experts' input format)."""
         return {
             "step_overhead_s": self.step_overhead_s,
             "request_overhead_s": self.request_overhead_s,
             "dp_context_sync": float(self.dp_context_sync),
             "kv_reserve_ratio": float(self.kv_reserve_ratio),
+            "quantized_dispatch": float(self.quantized_dispatch),
         }
 
     def context_attention_speed(self, weights_dtype, kv_dtype, fp8_speedup: float) -> float:
