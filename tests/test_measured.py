@@ -364,10 +364,15 @@ def test_a_measured_fp8_gemm_is_the_tables_time_which_includes_its_input_quantiz
     ((kernel, symbol),) = kernels.symbols.items()
     clock = S.sustained_clock * S.measured_efficiency
     tensorwise = {S.fp8_rowwise: 0, S.fp8_wgrad_hp: 0, S.fp8_mx: 0}  # per-tensor scaling
-    assert sp.simplify(seconds.subs(tensorwise) - symbol / clock) == 0
+    # the query projection runs inside the fused query-key-value GEMM: its share of that
+    # GEMM's table time, (q) / (q + 2 kv) of it
+    share = sp.Integer(1) / op.fused_width
+    assert op.name == "q_proj" and sp.simplify(share - S.heads / (S.heads + 2 * S.kv_heads)) == 0
+    assert sp.simplify(seconds.subs(tensorwise) - share * symbol / clock) == 0
     gemm, quantize = _gemm_time(op)
     assert quantize != 0
-    assert sp.simplify(kernel.roofline - ((gemm + quantize) * clock).subs(tensorwise)) == 0
+    fused = (gemm + quantize) * clock * op.fused_width
+    assert sp.simplify(kernel.roofline - fused.subs(tensorwise)) == 0
 
 
 def test_grouped_expert_gemms_keep_the_roofline_under_measured_timing():

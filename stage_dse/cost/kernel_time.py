@@ -30,11 +30,13 @@ def _local_extents(op: Op) -> dict:
     }
 
 
-def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+def gemm_mnk(op: Op, fused: bool = False) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     """(m, n, k) of an einsum on one GPU: the local extents of the axes only its left operand
     and the output have, only its right operand and the output have, and the contracted ones
-    (forward ``tokens x out_features x in_features``; the weight gradient's m is the weight's
-    input dimension and its k the tokens)."""
+    (forward ``tokens x out_features x in_features``; backward, whose left operand is the
+    output gradient: the input gradient's k and the weight gradient's m are the forward's
+    output features). ``fused``: those output features widened to the GEMM the projection
+    runs in (:attr:`~stage_dse.graph.ir.Op.fused_width`)."""
     a, b = op.inputs
     (out,) = op.outputs
     local = _local_extents(op)
@@ -42,6 +44,14 @@ def gemm_mnk(op: Op) -> tuple[sp.Expr, sp.Expr, sp.Expr]:
     m = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_o and ax not in in_b])
     n = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_b and ax in in_o and ax not in in_a])
     k = sp.Mul(*[local[ax] for ax in op.axes_iter if ax in in_a and ax in in_b and ax not in in_o])
+    f = op.fused_width
+    if fused and f != 1:
+        if op.phase is not Phase.BACKWARD:
+            n = n * f
+        elif op.outputs[0].role is Role.GRAD:
+            m = m * f
+        else:
+            k = k * f
     return m, n, k
 
 
@@ -193,7 +203,7 @@ def busiest_rank_load(op: Op, skew: float) -> sp.Expr:
 def _token_and_weight_dims(op: Op) -> tuple[sp.Expr, sp.Expr]:
     """(the token dimension, the smaller weight dimension) of a GEMM: m and min(n, k), or for
     a weight gradient k and min(m, n)."""
-    m, n, k = gemm_mnk(op)
+    m, n, k = gemm_mnk(op, fused=True)
     return (k, _min(m, n)) if op.outputs[0].role is Role.GRAD else (m, _min(n, k))
 
 
@@ -423,6 +433,11 @@ def gemm_kernel(op: Op, clock: sp.Expr, saved_bytes: sp.Expr = 0) -> Kernel:
     """The measured-table lookup of a linear GEMM: its shape and its per-tensor-scaled
     roofline (quantizing the activation operand included, as a table's FP8 GEMM includes it)
     at ``clock``, the footing of tables measured in isolation at full clock. The FP8 recipe's
-    speed and added kernels apply on top (:func:`fp8_recipe_terms`)."""
+    speed and added kernels apply on top (:func:`fp8_recipe_terms`). A projection fused into
+    a wider GEMM (``op.fused_width``) looks up that GEMM; its op takes ``1 / fused_width`` of
+    the time."""
     gemm, quantize = _gemm_time(op, saved_bytes, recipe=False)
-    return Kernel("gemm", (*gemm_mnk(op), gemm_input_bytes(op)), (gemm + quantize) * clock)
+    # a projection fused into a wider GEMM is that GEMM (its caller takes the op's share,
+    # 1 / fused_width, of the table's time)
+    shape = (*gemm_mnk(op, fused=True), gemm_input_bytes(op))
+    return Kernel("gemm", shape, (gemm + quantize) * clock * op.fused_width)

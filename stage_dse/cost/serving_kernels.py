@@ -140,7 +140,7 @@ class Measure:
         if op.name in self.fused:
             return self.fused[op.name]
         if table_gemm(op):
-            return self._time(gemm_kernel(op, clock)) / clock
+            return self._time(gemm_kernel(op, clock)) / (clock * op.fused_width)
         if op.kind is OpKind.ATTENTION:
             if len(op.inputs) < 3:  # DSA's index scores (no values): no table
                 return _compute_time(op)

@@ -212,7 +212,8 @@ def _op_time(op: Op, saved: sp.Expr, kernels: KernelSet | None) -> sp.Expr:
         # same footing; a table's FP8 or FP4 GEMM includes quantizing its activation operand)
         clock = S.sustained_clock * S.measured_efficiency
         speed, added = fp8_recipe_terms(op)
-        return kernels.time(gemm_kernel(op, clock, saved)) / (clock * speed) + added
+        share = kernels.time(gemm_kernel(op, clock, saved)) / op.fused_width
+        return share / (clock * speed) + added
     if op.kind is OpKind.ATTENTION:
         backward = op.phase is Phase.BACKWARD
         q, k = op.inputs[1:3] if backward else op.inputs[:2]

@@ -243,6 +243,7 @@ def _einsum(bw: Backward, op: Op) -> None:
             phase=Phase.BACKWARD,
             save=False,
             out_dtype_bytes=bw.grad_dtype(this),
+            fused_width=op.fused_width,
         )
         # operands already share one iteration layout, so the gradient lands in the
         # primal's layout with any partial sum still pending

@@ -154,10 +154,11 @@ class ForwardOps(LayoutOps):
         recompute: bool = False,
         save: bool = True,
         out_dtype_bytes: sp.Expr | int | None = None,
+        fused_width: sp.Expr | int = 1,
     ) -> Tensor:
         """Contract ``a`` and ``b`` onto ``out_axes``; flops are 2 x the iteration-space size.
         The output has ``a``'s element size unless ``out_dtype_bytes`` says otherwise (a weight
-        gradient accumulated in fp32)."""
+        gradient accumulated in fp32); ``fused_width``: :attr:`Op.fused_width`."""
         assert not a.partial and not b.partial, (name, a.partial, b.partial)
         idx = dedupe([*a.axes, *b.axes])
         out_axes = tuple(out_axes)
@@ -207,6 +208,7 @@ class ForwardOps(LayoutOps):
                 recompute=recompute,
                 axes_iter=tuple(idx),
                 layout_iter=tuple(it[ax] for ax in idx),
+                fused_width=sp.sympify(fused_width),
             )
         )
         return out

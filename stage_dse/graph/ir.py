@@ -262,6 +262,12 @@ class Op:
     the full work; time and the causal MFU use the executed share."""
     axes_iter: tuple[Axis, ...] = ()
     layout_iter: Layout = ()
+    fused_width: sp.Expr = sp.Integer(1)
+    """How many times wider the GEMM that runs this einsum is than its own output features
+    (forward; the same features are the contraction of its input gradient and the rows of its
+    weight gradient): a projection fused with others into one GEMM (the query, key and value
+    projections, a gated MLP's gate and up projections) runs its flops at the fused GEMM's
+    shape (:func:`stage_dse.cost.kernel_time.gemm_mnk`, ``fused=True``)."""
 
     @property
     def is_comm(self) -> bool:

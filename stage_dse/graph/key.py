@@ -67,6 +67,9 @@ class GraphKey:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels; off, as eager PyTorch runs its reference code
     (:mod:`stage_dse.graph.eager`)."""
+    fused_projections: bool = True
+    """Query, key and value projections as one GEMM, gate and up projections as one
+    (``ParallelPlan.fused_projections``): each op's ``fused_width``."""
     moe_weighted_activation: bool = False
     """The routing probabilities scale the experts' activation; the combine is an unweighted
     sum that keeps nothing for backward."""
@@ -112,6 +115,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         chunked_attention=model.has_chunked_attention,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
+        fused_projections=plan.fused_projections,
         moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,
         mtp=model.mtp_layers > 0,

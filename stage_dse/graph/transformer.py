@@ -79,6 +79,12 @@ class _Builder(LatentAttention):
         """None (training), "prefill" or "decode": forward only, attention over a KV cache."""
         self.kv_bytes = kv_bytes
 
+    def fused(self, width) -> sp.Expr:
+        """``Op.fused_width`` of a projection that runs inside a GEMM ``width`` times its own
+        output features when the framework fuses projections (``GraphKey.fused_projections``),
+        else 1."""
+        return sp.sympify(width) if self.k.fused_projections else sp.Integer(1)
+
     def hybrid(self, axes: tuple[MeshAxis, ...]) -> tuple[MeshAxis, ...]:
         """``axes`` under this plan's sharding: as they are, or with hybrid sharding's
         sharding group (DS) in DP's place."""
@@ -126,17 +132,20 @@ class _Builder(LatentAttention):
             h1 = self.maybe_bias(f"{prefix}fc1", h1, [ffn], [(TP,)])
             act = g.pointwise(GELU, f"{prefix}gelu", h1)
         else:
+            pair = self.fused(2)  # gate and up projections as one GEMM
             gate = g.einsum(
                 f"{prefix}gate_proj",
                 ln2g,
                 self.w(f"{prefix}gate_proj.weight", [H, ffn], [(), (TP,)]),
                 [Bt, Sq, ffn],
+                fused_width=pair,
             )
             up = g.einsum(
                 f"{prefix}up_proj",
                 ln2g,
                 self.w(f"{prefix}up_proj.weight", [H, ffn], [(), (TP,)]),
                 [Bt, Sq, ffn],
+                fused_width=pair,
             )
             act = g.pointwise(SWIGLU, f"{prefix}swiglu", gate, up)
         h2 = g.einsum(
@@ -176,8 +185,9 @@ class _Builder(LatentAttention):
         w1 = self.w("experts.gate_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
         w3 = self.w("experts.up_proj.weight", [E, H, Fe], [expert_ranks, (), f_split], on, eb)
         w2 = self.w("experts.down_proj.weight", [E, Fe, H], [expert_ranks, f_split, ()], on, eb)
-        gate = g.einsum("experts.gate_proj", x_e, w1, [E, C, Fe])
-        up = g.einsum("experts.up_proj", x_e, w3, [E, C, Fe])
+        pair = self.fused(2)
+        gate = g.einsum("experts.gate_proj", x_e, w1, [E, C, Fe], fused_width=pair)
+        up = g.einsum("experts.up_proj", x_e, w3, [E, C, Fe], fused_width=pair)
         act = g.pointwise(SWIGLU, "experts.swiglu", gate, up)
         y_e = g.einsum("experts.down_proj", act, w2, [E, C, H])
         y_e = g.redistribute(y_e, [expert_ranks, slots, ()])  # reduce-scatter over TP (ETP)
@@ -249,19 +259,22 @@ class _Builder(LatentAttention):
             if self.k.mla:
                 out = self.latent_attention(ln1g)
             else:
+                # one GEMM of R + 2 heads' width per key/value head: q's R, k's and v's one each
+                qkv = R.extent + 2
                 q = g.einsum(
                     "q_proj",
                     ln1g,
                     self.w("q_proj.weight", [H, G, R, D], [(), (TP,), (), ()]),
                     [Bt, Sq, G, R, D],
+                    fused_width=self.fused(qkv / R.extent),
                 )
                 # keys/values are indexed by the key-side sequence axis t (same extent as s)
                 wk = self.w("k_proj.weight", [H, G, D], [(), (TP,), ()])
                 wv = self.w("v_proj.weight", [H, G, D], [(), (TP,), ()])
                 kv_axis = Sq if self.serving == "decode" else Tk
                 ln1t = g.view(ln1g, [Bt, kv_axis, H]) if kv_axis is not Sq else ln1g
-                k = g.einsum("k_proj", ln1t, wk, [Bt, kv_axis, G, D])
-                v = g.einsum("v_proj", ln1t, wv, [Bt, kv_axis, G, D])
+                k = g.einsum("k_proj", ln1t, wk, [Bt, kv_axis, G, D], fused_width=self.fused(qkv))
+                v = g.einsum("v_proj", ln1t, wv, [Bt, kv_axis, G, D], fused_width=self.fused(qkv))
                 q = self.maybe_bias("q_proj", q, [G, R, D], [(TP,), (), ()])
                 k = self.maybe_bias("k_proj", k, [G, D], [(TP,), ()])
                 v = self.maybe_bias("v_proj", v, [G, D], [(TP,), ()])

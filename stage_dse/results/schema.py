@@ -62,8 +62,8 @@ BOOL_CONFIG = {
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "ep_over_cp",
     "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
-    "ep_dispatch_dedup", "fused_elementwise", "expert_gemm_loop", "moe_weighted_activation",
-    "fsdp_master_shards",
+    "ep_dispatch_dedup", "fused_elementwise", "fused_projections", "expert_gemm_loop",
+    "moe_weighted_activation", "fsdp_master_shards",
     "chunked_attention", "mtp", "parallel_block",
 }  # fmt: skip
 PLAN_LABEL_COLUMNS = ("stage_layers", "cuda_graphs")
@@ -169,6 +169,8 @@ PLAN_CONFIG = {
 _HASHED_APART = (
     "chunked_attention",
     "fused_elementwise",
+    "fused_projections",
+    "quantized_dispatch",
     "moe_weighted_activation",
     "dp_replicate",
     "offload_layers",
@@ -241,6 +243,12 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         if "fused_elementwise" in source:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             h = _marked(h, eager, "fused_elementwise=false")
+        # one GEMM per projection (absent or fused: as before)
+        if "fused_projections" in source:
+            apart = ~np.asarray(source["fused_projections"], dtype=bool)
+            h = _marked(h, apart, "fused_projections=false")
+        # token dispatch in the experts' format (absent or 0: as before)
+        h = _mixed_unless(h, source, "quantized_dispatch", 0.0)
         # chunked attention (absent or false: as before)
         if "chunked_attention" in source:
             h = _marked(h, np.asarray(source["chunked_attention"], dtype=bool), "chunked_attention")

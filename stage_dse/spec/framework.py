@@ -35,6 +35,7 @@ PLAN_FLAGS = (
     "expert_gemm_loop",
     "fsdp_master_shards",
     "fused_elementwise",
+    "fused_projections",
     "moe_weighted_activation",
 )
 """The :class:`~stage_dse.spec.plan.ParallelPlan` flags a framework decides."""
@@ -80,6 +81,13 @@ class FrameworkSpec:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
     kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""
+    fused_projections: bool = True
+    """The query, key and value projections run as one GEMM, and so do a gated MLP's gate and
+    up projections (Megatron-Core's ``linear_qkv`` in ``transformer/attention.py`` and
+    ``linear_fc1`` of twice the FFN width in ``transformer/mlp.py`` and ``moe/experts.py``;
+    nanotron's ``qkv_proj`` and ``gate_up_proj``); off, one GEMM each (torchtitan's ``wq``,
+    ``wk``, ``wv``, ``w1``, ``w3``; Hugging Face models' ``q_proj``, ``k_proj``, ``v_proj``,
+    ``gate_proj``, ``up_proj``)."""
     moe_weighted_activation: bool = False
     """The routing probabilities scale the experts' activation output (a weighted SwiGLU) and
     the combine sums the experts' outputs unweighted, so those outputs are not kept for

@@ -246,6 +246,11 @@ class ParallelPlan:
     activation and combine their outputs unweighted, so the outputs are not kept for
     backward (Megatron-Core's memory-efficient permutation, 2025-04); off, the combine weights
     the experts' outputs and keeps them."""
+    fused_projections: bool = True
+    """The query, key and value projections are one GEMM, and so are a gated MLP's gate and
+    up projections (:class:`~stage_dse.spec.framework.FrameworkSpec`); each projection's
+    flops then run at the wider GEMM's shape efficiency. Off, one GEMM per projection: a
+    grouped-query attention's key and value GEMMs are as narrow as their heads."""
     fused_elementwise: bool = True
     """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
     (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its
@@ -283,6 +288,7 @@ class ParallelPlan:
             "expert_gemm_loop",
             "fsdp_master_shards",
             "fused_elementwise",
+            "fused_projections",
             "moe_weighted_activation",
         ):
             if not isinstance(getattr(self, flag), bool):
