@@ -60,10 +60,29 @@ def _fp8_quantized_numel(op: Op) -> sp.Expr:
     gradient GEMMs the incoming gradient; weight-gradient GEMMs reuse both (Transformer Engine
     keeps the FP8 copies of the forward input and of the output gradient)."""
     if op.phase is Phase.FORWARD:
-        return _sum(t.local_numel for t in op.inputs if t.role is not Role.WEIGHT)
+        # a fused projection quantizes the input it shares once, for the whole fused GEMM
+        shared = _sum(t.local_numel for t in op.inputs if t.role is not Role.WEIGHT)
+        return shared / op.fused_width
     if op.outputs[0].role is Role.ACTIVATION_GRAD:
         return _sum(t.local_numel for t in op.inputs if t.role is Role.ACTIVATION_GRAD)
     return sp.Integer(0)
+
+
+def _shared_bytes(op: Op) -> sp.Expr:
+    """Bytes of the operand the projections of a fused GEMM share (zero for an op that is its
+    own GEMM): the forward's input, the input gradient it writes once (where unfused GEMMs
+    each write their part and sum them), the weight gradient's activation input. The fused
+    GEMM moves it once, so each projection's share of it is ``1 / fused_width``."""
+    f = op.fused_width
+    if f == 1:
+        return sp.Integer(0)
+    if op.phase is not Phase.BACKWARD:
+        shared = _sum(t.local_bytes for t in op.inputs if t.role is not Role.WEIGHT)
+    elif op.outputs[0].role is Role.GRAD:
+        shared = op.inputs[1].local_bytes  # (output gradient, the forward's input)
+    else:
+        shared = op.outputs[0].local_bytes
+    return (1 - 1 / f) * shared
 
 
 def _routed_expert(op: Op) -> bool:
@@ -259,12 +278,13 @@ def _gemm_time(
     routing (``skew``) its flops and rows per expert are the busiest rank's
     (:func:`busiest_rank_load`)."""
     bandwidth = S.hbm_bandwidth * S.memory_efficiency
-    stream = (op.bytes - saved_bytes) / bandwidth
+    stream = (op.bytes - saved_bytes - _shared_bytes(op)) / bandwidth
     tokens, width = _token_and_weight_dims(op)
     touched = touched_experts(op)
     if touched is not None:
         weights = _sum(t.local_bytes for t in op.inputs if t.role is Role.WEIGHT)
-        stream = (op.bytes - saved_bytes - (1 - touched) * weights) / bandwidth
+        stream = op.bytes - saved_bytes - _shared_bytes(op) - (1 - touched) * weights
+        stream = stream / bandwidth
         # forward: the token dimension over the touched experts only
         tokens = tokens / touched if op.phase is Phase.FORWARD else tokens
     # the busiest expert-parallel rank's rows: more flops, fuller tiles (a tile holds up to

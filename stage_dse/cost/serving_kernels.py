@@ -129,7 +129,8 @@ class Measure:
             n = _sum(gemm_mnk(op)[1] for op in group)
             # one quantize of the shared input (an FP8 GEMM's activation operand), which a
             # table's time includes (TensorRT-LLM's Linear quantizes its input)
-            quantize = _gemm_time(group[0])[1]
+            # (a fused projection's own quantize is its 1 / fused_width share of it)
+            quantize = _gemm_time(group[0])[1] * group[0].fused_width
             roofline = (_sum(_gemm_time(op)[0] for op in group) + quantize) * clock
             kernel = Kernel("gemm", (m, n, k, S.gemm_bytes), roofline)
             self.fused.update({op.name: sp.Integer(0) for op in group})
