@@ -128,7 +128,9 @@ def test_w4a16_reads_4_bit_weights_at_the_bf16_gemm_rate():
     ratio = w4["serve_weights_bytes"] / bf16["serve_weights_bytes"]
     assert ratio == pytest.approx(4.25 / 16, rel=1e-12)
     assert w4["serve_tpot_s"] < 0.8 * bf16["serve_tpot_s"]
-    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.02)
+    # (the W4A16 shape law counts tokens r = 4 times against the weights' width, which binds
+    # only past the fused gate-up GEMM's 7,168 columns: a few % faster, not 4x)
+    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.03)
     assert w4["serve_ttft_s"] <= bf16["serve_ttft_s"]
 
 
@@ -220,7 +222,9 @@ def test_int4_weights_are_weight_only_on_every_gpu(hw):
     _, bf16 = serve("bf16", hardware, "dgx_h100", tp=8)
     assert row["gemm_bytes"] == 2 and row["weight_only"]
     assert w4["serve_tpot_s"] < 0.8 * bf16["serve_tpot_s"]
-    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.02)
+    # (the W4A16 shape law counts tokens r = 4 times against the weights' width, which binds
+    # only past the fused gate-up GEMM's 7,168 columns: a few % faster, not 4x)
+    assert w4["serve_ttft_s"] == pytest.approx(bf16["serve_ttft_s"], rel=0.03)
 
 
 def test_int4_is_a_serving_format_and_no_kv_cache_format():
