@@ -273,24 +273,7 @@ class ParallelPlan:
         non_negative_int(owner, "offload_layers", self.offload_layers)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        for flag in (
-            "expert_tensor_parallel",
-            "ep_over_tp",
-            "sequence_parallel",
-            "overlap_grad_reduce",
-            "overlap_param_gather",
-            "tp_comm_overlap",
-            "tp_dgrad_overlap",
-            "ep_comm_overlap",
-            "zero_sync_per_tensor",
-            "grad_sync_per_step",
-            "ep_dispatch_dedup",
-            "expert_gemm_loop",
-            "fsdp_master_shards",
-            "fused_elementwise",
-            "fused_projections",
-            "moe_weighted_activation",
-        ):
+        for flag in _BOOL_FIELDS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"plan.{flag} must be true or false, got {getattr(self, flag)!r}")
         object.__setattr__(self, "cuda_graphs", parse_cuda_graphs(self.cuda_graphs))
@@ -433,6 +416,11 @@ class ParallelPlan:
 
     def replace(self, **changes: object) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
+
+
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelPlan) if f.type == "bool")
+"""The plan's true/false fields, each checked to be a bool (read from the annotations, so a
+new flag is checked without being listed)."""
 
 
 def mesh_order(rank_order: tuple[MeshAxis, ...], hybrid: bool = False) -> tuple[MeshAxis, ...]:
