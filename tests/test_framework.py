@@ -302,3 +302,76 @@ def test_torchtitan_records_without_torch_compile_run_element_wise_ops_eagerly()
     assert [p.fused_elementwise for p in plan.values()] == [False, True, True]
     assert load_framework("torchtitan_fsdp2").compile_fuses_elementwise
     assert not load_framework("megatron_core").compile_fuses_elementwise
+
+
+def test_an_eager_activation_alone_scales_only_the_swiglu_ops():
+    """``fused_activation=False`` (nanotron's ``GLUActivation``): the SwiGLU ops move the eager
+    bytes in eager kernels; norms and rotary embedding keep their fused kernels. It changes
+    nothing where everything already runs eagerly, or where the MLP is not gated (the graph
+    key folds it away there)."""
+    from stage_dse.graph import build_graphs
+    from stage_dse.graph.key import graph_key
+    from stage_dse.spec import ParallelPlan
+
+    model, t = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+    ops = {}
+    for act in (True, False):
+        plan = ParallelPlan(dp=8, micro_batch_size=1, fused_activation=act)
+        ops[act] = {op.name: op for op in build_graphs(model, plan, t).block.ops}
+    for name, factor, kernels in (
+        ("swiglu", sympy.Rational(10, 6), 2),
+        ("d_swiglu", sympy.Rational(18, 10), 3),
+        ("input_norm", 1, 1),
+        ("d_input_norm", 1, 1),
+        ("q_rope", 1, 1),
+        ("attention_residual", 1, 1),
+    ):
+        fused, eager = ops[True][name], ops[False][name]
+        assert sympy.simplify(eager.bytes - factor * fused.bytes) == 0, name
+        assert (fused.kernels, eager.kernels) == (1, kernels), name
+    all_eager = ParallelPlan(dp=8, fused_elementwise=False)
+    assert graph_key(model, all_eager, t) == graph_key(
+        model, dataclasses.replace(all_eager, fused_activation=False), t
+    )
+    gelu = load_model("gpt3_175b")
+    assert graph_key(gelu, ParallelPlan(dp=8), t) == graph_key(
+        gelu, ParallelPlan(dp=8, fused_activation=False), t
+    )
+    assert graph_key(model, ParallelPlan(dp=8), t) != graph_key(
+        model, ParallelPlan(dp=8, fused_activation=False), t
+    )
+
+
+def test_an_eager_activation_slows_a_step_a_little_and_hashes_apart():
+    from stage_dse.cost.bind import evaluate_plan
+    from stage_dse.spec import ParallelPlan
+
+    t = TrainingSpec(seq_len=4096, global_batch_size=64)
+    hw, cl = load_hardware("h100_sxm"), load_cluster("dgx_h100", num_gpus=8)
+    model = load_model("llama3_8b")
+    step = {
+        (elementwise, act): evaluate_plan(
+            model,
+            t,
+            ParallelPlan(dp=8, fused_elementwise=elementwise, fused_activation=act),
+            hardware=hw,
+            cluster=cl,
+        )["step_s"]
+        for elementwise, act in ((True, True), (True, False), (False, True))
+    }
+    # more than fused, less than everything eager
+    assert step[True, True] < step[True, False] < step[False, True]
+    table = _table((load_framework("megatron_core"),))
+    before = config_hash(table.drop(columns="fused_activation"))
+    assert list(config_hash(table)) == list(before)
+    eager = table.assign(fused_activation=False)
+    assert not set(config_hash(eager)) & set(before)
+
+
+def test_the_ultrascale_playbook_runs_name_nanotron_s_eager_activation():
+    from stage_dse.validation.corpus import load_corpus
+    from stage_dse.validation.training import training_setup
+
+    cases = [c for c in load_corpus("training") if c.source.id == "ultrascale_playbook_2025_best"]
+    plans = [training_setup(c).plans[0] for c in cases]
+    assert plans and all(p.fused_elementwise and not p.fused_activation for p in plans)

@@ -379,7 +379,9 @@ def _fusion_savings(graph: Graph) -> dict[Op, sp.Expr]:
                 continue
             for t in op.outputs:
                 users = consumers.get(t, [])
-                if len(users) == 1 and users[0].kind in fusible and t not in saved:
+                # an op run as several eager kernels fuses with nothing
+                one = op.kernels == 1 and users and users[0].kernels == 1
+                if len(users) == 1 and users[0].kind in fusible and t not in saved and one:
                     out[op] = out.get(op, sp.Integer(0)) + 2 * t.local_bytes
     return out
 

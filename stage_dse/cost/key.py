@@ -134,6 +134,7 @@ PLAN_KEY_COLUMNS = (
     "grad_sync_per_step",
     "ep_dispatch_dedup",
     "fused_elementwise",
+    "fused_activation",
     "fused_projections",
     "moe_weighted_activation",
     "dp_replicate",
@@ -157,6 +158,7 @@ def key_from_values(v: dict) -> CostKey:
     )
     optional = dict.fromkeys((*late, "moe_weighted_activation", "chunked_attention"), False)
     optional["fused_elementwise"] = True
+    optional["fused_activation"] = True
     optional["fused_projections"] = True
     optional["dp_replicate"] = 1
     return _key_of(tuple(v[c] if c in v else optional[c] for c in KEY_COLUMNS))
@@ -191,6 +193,9 @@ def _key_of(values: tuple) -> CostKey:
         chunked_attention=bool(v["chunked_attention"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
+        fused_activation=bool(v["fused_activation"])
+        or not bool(v["fused_elementwise"])
+        or MlpKind(v["mlp"]) is not MlpKind.SWIGLU,
         fused_projections=bool(v["fused_projections"]),
         moe_weighted_activation=bool(v["moe_weighted_activation"]),
         hybrid_shard=hybrid,

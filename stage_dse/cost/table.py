@@ -132,6 +132,7 @@ def config_row(
             "grad_sync_per_step": plan.grad_sync_per_step,
             "ep_dispatch_dedup": plan.ep_dispatch_dedup,
             "fused_elementwise": plan.fused_elementwise,
+            "fused_activation": plan.fused_activation,
             "fused_projections": plan.fused_projections,
             "moe_weighted_activation": plan.moe_weighted_activation,
             "cuda_graphs": plan.cuda_graphs_label,

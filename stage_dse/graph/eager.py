@@ -51,14 +51,16 @@ EAGER: dict[str, tuple[tuple[sp.Rational, int], tuple[sp.Rational, int]]] = {
 """Eager bytes over fused bytes, and kernels launched, per element-wise kind and direction."""
 
 
-def run_eagerly(graph: Graph) -> None:
+def run_eagerly(graph: Graph, kinds: tuple[str, ...] | None = None) -> None:
     """Scale each element-wise op of ``graph`` to its eager kernels, and mark the graph as
-    fusing nothing (in place)."""
+    fusing nothing (in place). ``kinds``: only ops of these element-wise kinds (the others keep
+    their fused kernels, and the graph its fusion of them)."""
     for op in graph.ops:
         kind = op.elementwise
-        if kind is None or kind.name not in EAGER:
+        if kind is None or kind.name not in EAGER or (kinds and kind.name not in kinds):
             continue
         factor, kernels = EAGER[kind.name][op.phase is Phase.BACKWARD]
         op.bytes = op.bytes * factor
         op.kernels = kernels
-    graph.fused_elementwise = False
+    if not kinds:
+        graph.fused_elementwise = False

@@ -67,6 +67,9 @@ class GraphKey:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels; off, as eager PyTorch runs its reference code
     (:mod:`stage_dse.graph.eager`)."""
+    fused_activation: bool = True
+    """With ``fused_elementwise``, the gated activation fused too; off, it alone eager (True
+    wherever it changes nothing: everything eager, or no gated MLP)."""
     fused_projections: bool = True
     """Query, key and value projections as one GEMM, gate and up projections as one
     (``ParallelPlan.fused_projections``): each op's ``fused_width``."""
@@ -115,6 +118,9 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         chunked_attention=model.has_chunked_attention,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
+        fused_activation=plan.fused_activation
+        or not plan.fused_elementwise
+        or model.mlp is not MlpKind.SWIGLU,
         fused_projections=plan.fused_projections,
         moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,

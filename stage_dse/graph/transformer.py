@@ -426,6 +426,8 @@ def _assemble(key: GraphKey, mode: str | None, kv_bytes: int = 2) -> ModelGraphs
             continue
         if not key.fused_elementwise:
             run_eagerly(g)
+        elif not key.fused_activation:
+            run_eagerly(g, kinds=("swiglu",))
         if key.attention is AttentionKernel.FLASH_TRITON:
             for op in g.ops:
                 if op.kind is OpKind.ATTENTION:

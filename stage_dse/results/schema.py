@@ -62,7 +62,8 @@ BOOL_CONFIG = {
     "has_shared_experts", "has_dense_layers", "expert_tensor_parallel", "ep_over_tp", "ep_over_cp",
     "mla",
     "sliding_window", "sparse_attention", "zero_sync_per_tensor", "grad_sync_per_step",
-    "ep_dispatch_dedup", "fused_elementwise", "fused_projections", "expert_gemm_loop",
+    "ep_dispatch_dedup", "fused_elementwise", "fused_activation", "fused_projections",
+    "expert_gemm_loop",
     "moe_weighted_activation", "fsdp_master_shards",
     "chunked_attention", "mtp", "parallel_block",
 }  # fmt: skip
@@ -169,6 +170,7 @@ PLAN_CONFIG = {
 _HASHED_APART = (
     "chunked_attention",
     "fused_elementwise",
+    "fused_activation",
     "fused_projections",
     "quantized_dispatch",
     "moe_weighted_activation",
@@ -243,6 +245,10 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         if "fused_elementwise" in source:
             eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
             h = _marked(h, eager, "fused_elementwise=false")
+        # the gated activation alone eager (absent or fused: as before)
+        if "fused_activation" in source:
+            eager_act = ~np.asarray(source["fused_activation"], dtype=bool)
+            h = _marked(h, eager_act, "fused_activation=false")
         # one GEMM per projection (absent or fused: as before)
         if "fused_projections" in source:
             apart = ~np.asarray(source["fused_projections"], dtype=bool)

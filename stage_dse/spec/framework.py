@@ -35,6 +35,7 @@ PLAN_FLAGS = (
     "expert_gemm_loop",
     "fsdp_master_shards",
     "fused_elementwise",
+    "fused_activation",
     "fused_projections",
     "moe_weighted_activation",
 )
@@ -81,6 +82,13 @@ class FrameworkSpec:
     fused_elementwise: bool = True
     """Element-wise ops run as fused kernels (Megatron-Core's Transformer Engine and Apex
     kernels, ``torch.compile``); off, eagerly (:mod:`stage_dse.graph.eager`)."""
+    fused_activation: bool = True
+    """With ``fused_elementwise``, a gated MLP's activation runs fused too (Megatron-Core's
+    ``bias_swiglu_impl``, Transformer Engine, ``torch.compile``); off, it alone runs eagerly, a
+    SiLU kernel and a product kernel over the split projection output while norms and rotary
+    embedding keep their fused kernels (nanotron e24d2483a4, ``models/llama.py``:
+    ``GLUActivation`` returns ``self.act(gate_states) * up_states`` beside ``TritonRMSNorm`` and
+    flash-attn's rotary kernel)."""
     fused_projections: bool = True
     """The query, key and value projections run as one GEMM, and so do a gated MLP's gate and
     up projections (Megatron-Core's ``linear_qkv`` in ``transformer/attention.py`` and

@@ -251,6 +251,9 @@ class ParallelPlan:
     up projections (:class:`~stage_dse.spec.framework.FrameworkSpec`); each projection's
     flops then run at the wider GEMM's shape efficiency. Off, one GEMM per projection: a
     grouped-query attention's key and value GEMMs are as narrow as their heads."""
+    fused_activation: bool = True
+    """With ``fused_elementwise``, the gated MLP's activation is fused too; off, it alone runs
+    eagerly (:class:`~stage_dse.spec.framework.FrameworkSpec`, nanotron)."""
     fused_elementwise: bool = True
     """Element-wise ops (norms, rotary embedding, gated activation) run as fused kernels
     (``torch.compile``, Transformer Engine or Apex kernels); off, as eager PyTorch runs its

@@ -146,6 +146,7 @@ def config_from_row(row: pd.Series, granularity: str = "segment") -> TraceConfig
         grad_sync_per_step=bool(row.get("grad_sync_per_step", False)),
         ep_dispatch_dedup=bool(row.get("ep_dispatch_dedup", False)),
         fused_elementwise=bool(row.get("fused_elementwise", True)),
+        fused_activation=bool(row.get("fused_activation", True)),
         fused_projections=bool(row.get("fused_projections", True)),
         moe_weighted_activation=bool(row.get("moe_weighted_activation", False)),
         offload_layers=int(_given(row, "offload_layers", 0)),
