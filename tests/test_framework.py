@@ -249,6 +249,13 @@ def test_eager_element_wise_ops_move_the_bytes_of_their_reference_code():
         assert (fused.kernels, eager.kernels) == (1, kernels), name
 
 
+def _assert_off_hashes_apart(table, flag: str) -> None:
+    """Rows with ``flag`` on hash as rows written before the column existed; off, apart."""
+    before = config_hash(table.drop(columns=flag))
+    assert list(config_hash(table)) == list(before)
+    assert not set(config_hash(table.assign(**{flag: False}))) & set(before)
+
+
 def test_eager_element_wise_ops_slow_a_step_and_keep_fused_rows_hashes():
     from stage_dse.cost.bind import evaluate_plan
     from stage_dse.spec import ParallelPlan
@@ -268,11 +275,7 @@ def test_eager_element_wise_ops_slow_a_step_and_keep_fused_rows_hashes():
         ]
         # nothing fuses eagerly; Llama's RMSNorm, rotary and SwiGLU add most
         assert steps[1] > steps[0] * (1.05 if name == "llama3_8b" else 1.0)
-    table = _table((load_framework("torchtitan_fsdp2"),))
-    before = config_hash(table.drop(columns="fused_elementwise"))
-    assert list(config_hash(table)) == list(before)
-    eager = table.assign(fused_elementwise=False)
-    assert not set(config_hash(eager)) & set(before)
+    _assert_off_hashes_apart(_table((load_framework("torchtitan_fsdp2"),)), "fused_elementwise")
 
 
 def test_the_weighted_moe_activation_changes_only_moe_rows_hashes():
@@ -361,11 +364,7 @@ def test_an_eager_activation_slows_a_step_a_little_and_hashes_apart():
     }
     # more than fused, less than everything eager
     assert step[True, True] < step[True, False] < step[False, True]
-    table = _table((load_framework("megatron_core"),))
-    before = config_hash(table.drop(columns="fused_activation"))
-    assert list(config_hash(table)) == list(before)
-    eager = table.assign(fused_activation=False)
-    assert not set(config_hash(eager)) & set(before)
+    _assert_off_hashes_apart(_table((load_framework("megatron_core"),)), "fused_activation")
 
 
 def test_the_ultrascale_playbook_runs_name_nanotron_s_eager_activation():

@@ -161,6 +161,17 @@ def test_a_job_that_is_no_whole_number_of_nvl72_racks_is_told_its_even_split():
     assert load_cluster("gb200_nvl72", num_gpus=256, gpus_per_node=64).gpus_per_node == 64
 
 
+def _llama3_8b_steps_on_eight(*hardware) -> list[float]:
+    """Step time of one Llama 3 8B plan (8 GPUs, data-parallel, 8K tokens) per hardware."""
+    model, training = load_model("llama3_8b"), TrainingSpec(seq_len=8192, global_batch_size=64)
+    plans = [ParallelPlan(dp=8, micro_batch_size=2)]
+    cluster = load_cluster("mi300x_8", num_gpus=8)
+    return [
+        evaluate_plans(plans_table(model, training, plans, hw, cluster))["step_s"].iloc[0]
+        for hw in hardware
+    ]
+
+
 def test_mi325x_is_the_mi300x_die_at_the_clock_its_power_limit_sustains():
     """MI325X: the MI300X's peaks and die with more, faster HBM; its GEMMs run 843 / 708 times
     the MI300X's kernel benchmark (AMD's measured max-achievable bf16 FLOPs, 1,447 against
@@ -177,13 +188,7 @@ def test_mi325x_is_the_mi300x_die_at_the_clock_its_power_limit_sustains():
     assert mi325x.attention_efficiency / mi300x.attention_efficiency == pytest.approx(
         ratio, rel=0.01
     )
-    model, training = load_model("llama3_8b"), TrainingSpec(seq_len=8192, global_batch_size=64)
-    plans = [ParallelPlan(dp=8, micro_batch_size=2)]
-    cluster = load_cluster("mi300x_8", num_gpus=8)
-    steps = [
-        evaluate_plans(plans_table(model, training, plans, hw, cluster))["step_s"].iloc[0]
-        for hw in (mi300x, mi325x)
-    ]
+    steps = _llama3_8b_steps_on_eight(mi300x, mi325x)
     assert 1.0 < steps[0] / steps[1] <= ratio * 1.001
 
 
@@ -204,11 +209,5 @@ def test_mi300x_upstream_is_the_same_gpu_with_slower_training_gemms():
     assert upstream.fp8_gemm_efficiency == tuned.fp8_gemm_efficiency
     assert upstream.gemm_efficiency < tuned.gemm_efficiency
     assert upstream.fp8_step_efficiency < tuned.fp8_step_efficiency
-    model, training = load_model("llama3_8b"), TrainingSpec(seq_len=8192, global_batch_size=64)
-    plans = [ParallelPlan(dp=8, micro_batch_size=2)]
-    cluster = load_cluster("mi300x_8", num_gpus=8)
-    steps = [
-        evaluate_plans(plans_table(model, training, plans, hw, cluster))["step_s"].iloc[0]
-        for hw in (tuned, upstream)
-    ]
+    steps = _llama3_8b_steps_on_eight(tuned, upstream)
     assert steps[1] > 1.3 * steps[0]
