@@ -223,18 +223,24 @@ def test_zero2_gradients_reduced_once_per_step_hold_full_gradient_memory():
         assert a["step_s"] == b["step_s"] and a["mem_total_bytes"] == b["mem_total_bytes"]
 
 
-def test_eager_element_wise_ops_move_the_bytes_of_their_reference_code():
-    """Without torch.compile, torchtitan's RMSNorm runs as 8 kernels moving 36 bytes per
-    element in forward (4 fused) and 12 moving 84 in backward (6 fused); rotary embedding 20
-    bytes in 3 kernels each way (4 fused); SwiGLU 10 and 18 bytes (6 and 10 fused)."""
+def _llama3_8b_block_ops(flag: str) -> dict[bool, dict]:
+    """A Llama 3 8B block's ops by name, with a plan ``flag`` on (True) and off (False)."""
     from stage_dse.graph import build_graphs
     from stage_dse.spec import ParallelPlan
 
     model, t = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
     ops = {}
-    for fused in (True, False):
-        plan = ParallelPlan(dp=8, micro_batch_size=1, fused_elementwise=fused)
-        ops[fused] = {op.name: op for op in build_graphs(model, plan, t).block.ops}
+    for on in (True, False):
+        plan = ParallelPlan(dp=8, micro_batch_size=1, **{flag: on})
+        ops[on] = {op.name: op for op in build_graphs(model, plan, t).block.ops}
+    return ops
+
+
+def test_eager_element_wise_ops_move_the_bytes_of_their_reference_code():
+    """Without torch.compile, torchtitan's RMSNorm runs as 8 kernels moving 36 bytes per
+    element in forward (4 fused) and 12 moving 84 in backward (6 fused); rotary embedding 20
+    bytes in 3 kernels each way (4 fused); SwiGLU 10 and 18 bytes (6 and 10 fused)."""
+    ops = _llama3_8b_block_ops("fused_elementwise")
     for name, factor, kernels in (
         ("input_norm", 9, 8),
         ("d_input_norm", 14, 12),
@@ -312,15 +318,11 @@ def test_an_eager_activation_alone_scales_only_the_swiglu_ops():
     bytes in eager kernels; norms and rotary embedding keep their fused kernels. It changes
     nothing where everything already runs eagerly, or where the MLP is not gated (the graph
     key folds it away there)."""
-    from stage_dse.graph import build_graphs
     from stage_dse.graph.key import graph_key
     from stage_dse.spec import ParallelPlan
 
     model, t = load_model("llama3_8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
-    ops = {}
-    for act in (True, False):
-        plan = ParallelPlan(dp=8, micro_batch_size=1, fused_activation=act)
-        ops[act] = {op.name: op for op in build_graphs(model, plan, t).block.ops}
+    ops = _llama3_8b_block_ops("fused_activation")
     for name, factor, kernels in (
         ("swiglu", sympy.Rational(10, 6), 2),
         ("d_swiglu", sympy.Rational(18, 10), 3),
