@@ -193,9 +193,7 @@ def _key_of(values: tuple) -> CostKey:
         chunked_attention=bool(v["chunked_attention"]),
         sparse_attention=bool(v["sparse_attention"]),
         fused_elementwise=bool(v["fused_elementwise"]),
-        fused_activation=bool(v["fused_activation"])
-        or not bool(v["fused_elementwise"])
-        or MlpKind(v["mlp"]) is not MlpKind.SWIGLU,
+        fused_activation=bool(v["fused_activation"]),
         fused_projections=bool(v["fused_projections"]),
         moe_weighted_activation=bool(v["moe_weighted_activation"]),
         hybrid_shard=hybrid,

@@ -90,6 +90,8 @@ class GraphKey:
             object.__setattr__(self, "grad_sync_per_step", False)
         if self.moe_weighted_activation and not self.moe:
             object.__setattr__(self, "moe_weighted_activation", False)
+        if not (self.fused_elementwise and self.mlp is MlpKind.SWIGLU):
+            object.__setattr__(self, "fused_activation", True)
 
 
 def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> GraphKey:
@@ -118,9 +120,7 @@ def graph_key(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> G
         chunked_attention=model.has_chunked_attention,
         sparse_attention=model.has_sparse_attention,
         fused_elementwise=plan.fused_elementwise,
-        fused_activation=plan.fused_activation
-        or not plan.fused_elementwise
-        or model.mlp is not MlpKind.SWIGLU,
+        fused_activation=plan.fused_activation,
         fused_projections=plan.fused_projections,
         moe_weighted_activation=plan.moe_weighted_activation,
         hybrid_shard=plan.hybrid_shard,

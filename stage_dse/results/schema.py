@@ -241,18 +241,11 @@ def config_hash_u64(table: pd.DataFrame | PlanColumns) -> np.ndarray:
         for i, c in enumerate(HASH_ORDER):
             v = _hash_input(source[c], c in STRING_CONFIG)
             h = _mix(h ^ (v + np.uint64(i + 1) * _GOLDEN))
-        # element-wise ops run eagerly (absent or fused: the hashes rows had before)
-        if "fused_elementwise" in source:
-            eager = ~np.asarray(source["fused_elementwise"], dtype=bool)
-            h = _marked(h, eager, "fused_elementwise=false")
-        # the gated activation alone eager (absent or fused: as before)
-        if "fused_activation" in source:
-            eager_act = ~np.asarray(source["fused_activation"], dtype=bool)
-            h = _marked(h, eager_act, "fused_activation=false")
-        # one GEMM per projection (absent or fused: as before)
-        if "fused_projections" in source:
-            apart = ~np.asarray(source["fused_projections"], dtype=bool)
-            h = _marked(h, apart, "fused_projections=false")
+        # element-wise ops eager, the gated activation alone eager, one GEMM per projection
+        # (each absent or true: the hashes rows had before)
+        for flag in ("fused_elementwise", "fused_activation", "fused_projections"):
+            if flag in source:
+                h = _marked(h, ~np.asarray(source[flag], dtype=bool), f"{flag}=false")
         # token dispatch in the experts' format (absent or 0: as before)
         h = _mixed_unless(h, source, "quantized_dispatch", 0.0)
         # chunked attention (absent or false: as before)
